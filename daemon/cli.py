@@ -1,0 +1,45 @@
+"""The `grpod` command: one parser, subcommands registered by each area's module.
+
+Errors of every package (`EngineError`, `GuardsError`, `ForensicsError`, `ConfigError`) are
+caught once here: one line on stderr, exit code 2. Exit codes are documented in the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+EXIT_HALT = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from daemon.commands import COMMAND_MODULES
+
+    parser = argparse.ArgumentParser(prog="grpod", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMAND_MODULES:
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `grpod` console script."""
+    from daemon.errors import BAD_INPUT_ERRORS
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except BAD_INPUT_ERRORS as exc:
+        print(f"grpod {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""`TransportBatch`: the exact, self-contained input of one optimizer step.
+
+Token tensors are `[micros, rows, seq]`; per-sample tensors are `[samples]`. Token fields are
+target-aligned: `loss_mask[m, r, p]` says whether token p is trained on (scored by the logits
+at p-1), and `advantages` / `sampler_logprobs` at p belong to that token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from engine.errors import EngineError
+
+TOKEN_FIELDS: dict[str, torch.dtype] = {
+    "input_ids": torch.int64,
+    "position_ids": torch.int64,
+    "loss_mask": torch.bool,
+    "advantages": torch.float32,
+    "sampler_logprobs": torch.float32,
+    "old_logprobs": torch.float32,
+    "sample_ids": torch.int32,
+    "group_ids": torch.int32,
+}
+SAMPLE_FIELDS: dict[str, torch.dtype] = {
+    "rewards": torch.float32,
+    "sample_group_ids": torch.int32,
+    "completion_lengths": torch.int32,
+}
+OPTIONAL_FIELDS = frozenset({"sampler_logprobs", "old_logprobs"})
+FORMAT = "grpod.transport_batch/1"
+
+
+@dataclass(frozen=True)
+class TransportBatch:
+    input_ids: torch.Tensor  # [micros, rows, seq] int64
+    position_ids: torch.Tensor  # [micros, rows, seq] int64, restarting per sample
+    loss_mask: torch.Tensor  # [micros, rows, seq] bool, target-aligned
+    advantages: torch.Tensor  # [micros, rows, seq] float32, per token
+    sampler_logprobs: torch.Tensor | None  # [micros, rows, seq] float32 or None
+    sample_ids: torch.Tensor  # [micros, rows, seq] int32, -1 = padding
+    group_ids: torch.Tensor  # [micros, rows, seq] int32, -1 = padding
+    rewards: torch.Tensor  # [samples] float32
+    sample_group_ids: torch.Tensor  # [samples] int32
+    completion_lengths: torch.Tensor  # [samples] int32
+    step: int
+    config_digest: str
+    sequence_chunks: int = 1
+    old_logprobs: torch.Tensor | None = None  # [micros, rows, seq] float32: epochs > 1 only
+    meta: dict[str, Any] = field(default_factory=dict)  # e.g. rollout_seconds
+
+    @property
+    def num_micros(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[2])
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.rewards.shape[0])
+
+    def expected_valid_tokens(self) -> int:
+        """Host-side sum of the loss mask: what the engine's counter must equal."""
+        return int(self.loss_mask.sum())
+
+    def chunk_valid_counts(self) -> torch.Tensor:
+        """`[micros, sequence_chunks]` trainable tokens per chunk of each flattened micro."""
+        flat = self.loss_mask.reshape(self.num_micros, -1)
+        return torch.stack([c.sum(-1) for c in flat.tensor_split(self.sequence_chunks, -1)], -1)
+
+    def reorder(self, order: list[int]) -> TransportBatch:
+        """The same batch with its micros run in `order` (a permutation of micro indices).
+
+        `meta["micro_order"]` keeps the composed order relative to the batch as rolled out,
+        so `original.reorder(report.micro_order)` rebuilds the batch as run.
+        """
+        if sorted(order) != list(range(self.num_micros)):
+            raise EngineError(f"batch step {self.step}: {order} is not a permutation of micros")
+        index = torch.tensor(order, dtype=torch.long)
+        moved = {
+            name: getattr(self, name)[index]
+            for name in TOKEN_FIELDS
+            if getattr(self, name) is not None
+        }
+        previous = self.meta.get("micro_order", list(range(self.num_micros)))
+        meta = {**self.meta, "micro_order": [previous[i] for i in order]}
+        return replace(self, **moved, meta=meta)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        names = [*TOKEN_FIELDS, *SAMPLE_FIELDS]
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "format": FORMAT,
+            "step": str(self.step),
+            "config_digest": self.config_digest,
+            "sequence_chunks": str(self.sequence_chunks),
+            "meta": json.dumps(self.meta, sort_keys=True),
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write to safetensors atomically (temp file, fsync, rename)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tensors = {n: t.contiguous() for n, t in self.tensors().items()}
+        save_file(tensors, str(tmp), metadata=self.metadata())
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> TransportBatch:
+        """Read and validate a saved batch; a malformed file is an EngineError naming it."""
+        path = Path(path)
+        try:
+            tensors = load_file(str(path))
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as fh:
+                metadata = fh.metadata() or {}
+        except (OSError, SafetensorError) as exc:
+            raise EngineError(f"batch {path}: cannot read: {exc}") from None
+        except Exception as exc:  # safetensors raises bare errors on truncated headers
+            raise EngineError(f"batch {path}: not a safetensors file: {exc}") from None
+        return cls.from_tensors(tensors, metadata, source=str(path))
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str = "batch"
+    ) -> TransportBatch:
+        """Validate names, dtypes, shapes and metadata, then build the batch."""
+        if metadata.get("format") != FORMAT:
+            raise EngineError(f"batch {source}: format is {metadata.get('format')!r}, not {FORMAT}")
+        for name, dtype in {**TOKEN_FIELDS, **SAMPLE_FIELDS}.items():
+            if name not in tensors:
+                if name in OPTIONAL_FIELDS:
+                    continue
+                raise EngineError(f"batch {source}: missing tensor {name!r}")
+            if tensors[name].dtype != dtype:
+                raise EngineError(
+                    f"batch {source}: tensor {name!r} has dtype {tensors[name].dtype}, not {dtype}"
+                )
+        token_shape = tensors["input_ids"].shape
+        if len(token_shape) != 3:
+            raise EngineError(f"batch {source}: input_ids must be [micros, rows, seq]")
+        for name in TOKEN_FIELDS:
+            if name in tensors and tensors[name].shape != token_shape:
+                raise EngineError(
+                    f"batch {source}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                    f"input_ids has {tuple(token_shape)}"
+                )
+        samples = tensors["rewards"].shape
+        for name in SAMPLE_FIELDS:
+            if tensors[name].shape != samples or len(samples) != 1:
+                raise EngineError(f"batch {source}: tensor {name!r} must be [samples]")
+        unknown = set(tensors) - set(TOKEN_FIELDS) - set(SAMPLE_FIELDS)
+        if unknown:
+            raise EngineError(f"batch {source}: unknown tensors {sorted(unknown)}")
+        try:
+            step = int(metadata["step"])
+            chunks = int(metadata["sequence_chunks"])
+            meta = json.loads(metadata.get("meta", "{}"))
+            digest = metadata["config_digest"]
+        except (KeyError, ValueError) as exc:
+            raise EngineError(f"batch {source}: bad metadata: {exc}") from None
+        names = {f.name for f in fields(cls)}
+        kwargs = {n: tensors.get(n) for n in names if n in TOKEN_FIELDS or n in SAMPLE_FIELDS}
+        return cls(**kwargs, step=step, config_digest=digest, sequence_chunks=chunks, meta=meta)

@@ -1,0 +1,95 @@
+"""`EngineConfig`: the engine's typed config section (`[engine]` in grpod.toml)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EngineConfig(BaseModel):
+    """Every knob of a GRPO step. Defaults are the embedded W1 setting."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # model and task
+    model: str = Field("tiny-qwen2", description="'tiny-qwen2' or a local model directory")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    task: str = Field("arith", description="arith | copy | kv-retrieval | path to a JSONL file")
+    reward: str = Field("", description="module:function for a JSONL task (default: exact match)")
+    long_prompt_batch_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="kv-retrieval: fraction of all-long-prompt batches"
+    )
+    # rollout
+    prompts_per_step: int = Field(16, ge=1)
+    group_size: int = Field(8, ge=1)
+    max_new_tokens: int = Field(4, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    rollout_backend: Literal["torch", "vllm"] = "torch"
+    # advantages
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    # packing
+    seq_len: int = Field(64, ge=2)
+    pack: bool = True
+    micro_batch_rows: int = Field(8, ge=1)
+    sequence_chunks: int = Field(1, ge=1)
+    lmhead_chunks: int = Field(1, ge=1)
+    chunk_order: Literal["forward", "reverse"] = "forward"
+    # loss
+    loss: Literal["ppo", "cispo"] = "ppo"
+    eps_low: float = Field(0.2, ge=0.0)
+    eps_high: float = Field(0.2, ge=0.0)
+    logratio_clamp: float = Field(20.0, gt=0.0)
+    tis_cap: float = Field(0.0, ge=0.0, description="truncated importance sampling cap; 0 = off")
+    kl_beta: float = Field(0.0, ge=0.0)
+    epochs: int = Field(1, ge=1)
+    # optimizer
+    lr: float = Field(1e-3, ge=0.0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int = Field(1000, ge=1, description="cosine horizon")
+    adam_eps: float = Field(1e-8, gt=0.0)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    # reproducibility and threads
+    seed: int = 0
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 = leave as is")
+    # fault injection for drills (off by default)
+    accounting_fault: Literal["none", "last_micro_first_chunk"] = "none"
+    fault_nan_loss_steps: list[int] = Field(default_factory=list)
+    fault_inf_grad_steps: list[int] = Field(default_factory=list)
+    fault_sentinel_logprob_steps: list[int] = Field(default_factory=list)
+    fault_equal_reward_steps: list[int] = Field(default_factory=list)
+    fault_loss_spike_steps: list[int] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.max_new_tokens + 2 > self.seq_len:
+            raise ValueError(f"seq_len {self.seq_len} leaves no room for a prompt")
+        if self.task.endswith(".jsonl") is False and self.task not in BUILTIN_TASKS:
+            raise ValueError(f"task must be one of {sorted(BUILTIN_TASKS)} or a .jsonl path")
+        return self
+
+    @property
+    def faults_on(self) -> bool:
+        return self.accounting_fault != "none" or any(
+            (
+                self.fault_nan_loss_steps,
+                self.fault_inf_grad_steps,
+                self.fault_sentinel_logprob_steps,
+                self.fault_equal_reward_steps,
+                self.fault_loss_spike_steps,
+            )
+        )
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of this config (recorded in every batch)."""
+        text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+BUILTIN_TASKS = frozenset({"arith", "copy", "kv-retrieval"})

@@ -1,0 +1,95 @@
+"""The GRPO loss, FP32 whatever the model dtype.
+
+Completion token p is scored by the logits at p-1. The LM head and log-softmax run in FP32
+over `lmhead_chunks` chunks of tokens; with more than one chunk each is recomputed in the
+backward pass, so the full `[tokens, vocab]` logits never exist at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def _head_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    with torch.autocast("cpu", enabled=False):
+        logits = hidden.float() @ weight.float().t()
+        if temperature != 1.0:
+            logits = logits / temperature
+        picked = logits.gather(-1, targets[:, None]).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1)
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunks: int = 1,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """FP32 logprobs `[tokens]` of `targets: [tokens]` given `hidden: [tokens, H]`."""
+    if chunks <= 1 or hidden.shape[0] <= 1:
+        return _head_logprobs(hidden, weight, targets, temperature)
+    parts = [
+        checkpoint(_head_logprobs, h, weight, t, temperature, use_reentrant=False)
+        for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks))
+    ]
+    return torch.cat(parts)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    kind: str = "ppo"  # ppo | cispo
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    logratio_clamp: float = 20.0
+    tis_cap: float = 0.0
+    kl_beta: float = 0.0
+
+
+@dataclass
+class TokenLoss:
+    loss: torch.Tensor  # [tokens] FP32, per-token loss before normalisation
+    clipped_low: torch.Tensor  # [tokens] bool
+    clipped_high: torch.Tensor  # [tokens] bool
+    kl: torch.Tensor | None  # [tokens] FP32 k3 estimate, when kl_beta > 0
+
+
+def clamped_ratio(logprobs: torch.Tensor, base: torch.Tensor, clamp: float) -> torch.Tensor:
+    """exp(logprobs - base), the log-ratio clamped to ±clamp first (-inf base stays finite)."""
+    return torch.exp((logprobs - base).clamp(-clamp, clamp))
+
+
+def policy_token_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    settings: LossSettings,
+    *,
+    sampler_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+) -> TokenLoss:
+    """Per-token PPO-clip or CISPO loss, with optional TIS weights and k3 KL."""
+    ratio = clamped_ratio(logprobs, old_logprobs, settings.logratio_clamp)
+    low, high = 1.0 - settings.eps_low, 1.0 + settings.eps_high
+    if settings.kind == "ppo":
+        loss = -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
+    else:  # cispo: a clipped, detached IS weight on the REINFORCE term
+        loss = -ratio.clamp(max=high).detach() * advantages * logprobs
+    clipped_low = (ratio < low) & (advantages < 0)
+    clipped_high = (ratio > high) & (advantages > 0)
+    if settings.tis_cap > 0:
+        assert sampler_logprobs is not None  # checked by the trainer with a clear error
+        weight = clamped_ratio(old_logprobs, sampler_logprobs, settings.logratio_clamp)
+        loss = loss * weight.clamp(max=settings.tis_cap).detach()
+    kl = None
+    if ref_logprobs is not None and settings.kl_beta > 0:
+        delta = (ref_logprobs - logprobs).clamp(-settings.logratio_clamp, settings.logratio_clamp)
+        kl = torch.exp(delta) - delta - 1.0
+        loss = loss + settings.kl_beta * kl
+    return TokenLoss(loss, clipped_low, clipped_high, kl)

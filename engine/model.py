@@ -1,0 +1,72 @@
+"""Policy loading: a Hugging Face causal LM from a local directory, or the built-in tiny Qwen2.
+
+Weights are kept in FP32 (the master copy); `dtype = "bfloat16"` runs the trunk under bf16
+autocast while the LM head, logprobs, loss and gradient accumulation stay FP32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from engine.errors import EngineError
+from engine.tokenizer import CharTokenizer, HFTokenizerAdapter
+
+TINY_QWEN2 = dict(  # the W1 model (shared/bench/WORKLOADS.md)
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
+
+
+def build_tiny_qwen2(vocab_size: int, max_positions: int = 64, seed: int = 0):
+    """The built-in tiny Qwen2, random init under torch seed `seed` without touching global RNG."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        max_position_embeddings=max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+        **TINY_QWEN2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model.float()
+
+
+def load_policy(name: str, chars: str, max_positions: int):
+    """`(model, tokenizer)` for `name`: `tiny-qwen2` or a local HF model directory."""
+    if name == "tiny-qwen2":
+        tokenizer = CharTokenizer(chars)
+        return build_tiny_qwen2(tokenizer.vocab_size, max(64, max_positions)), tokenizer
+    path = Path(name)
+    if not path.is_dir():
+        raise EngineError(f"model {name}: not 'tiny-qwen2' and not a local directory")
+    if not any(path.glob("*.safetensors")):
+        raise EngineError(f"model {name}: no *.safetensors weights in the directory")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        tokenizer = HFTokenizerAdapter(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"model {name}: cannot load: {str(exc).splitlines()[0]}") from None
+    return model.float(), tokenizer
+
+
+def compute_context(dtype: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast for the trunk when asked for, else nothing."""
+    if dtype == "bfloat16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()

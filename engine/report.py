@@ -1,0 +1,110 @@
+"""`StepReport`: everything the engine knows about one step, for guards, metrics and the store."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class ChunkTrace:
+    """One chunk invocation, in the order it ran."""
+
+    micro: int  # micro index in the batch as run
+    chunk: int  # sequence chunk of the flattened micro
+    valid_tokens: int  # trainable tokens in this chunk
+    loss_sum: float  # sum of per-token losses in this chunk
+    counter_after: int  # the engine counter right after this chunk
+
+
+@dataclass
+class StepReport:
+    step: int
+    valid_tokens: int  # the engine's step counter
+    expected_valid_tokens: int  # host-side sum of the loss mask
+    loss: float
+    micro_losses: list[float]  # each micro's loss sum / the step's valid tokens
+    grad_norm: float  # global FP32 norm before clipping
+    clip_coef: float  # min(1, max_grad_norm / grad_norm)
+    lr: float
+    reward_mean: float
+    reward_std: float
+    zero_std_group_fraction: float
+    advantage_abs_max: float
+    kl: float | None
+    clip_fraction_low: float
+    clip_fraction_high: float
+    mismatch_mean: float | None  # |sampler - trainer logprob| over trainable tokens
+    mismatch_p90: float | None
+    mismatch_p99: float | None
+    mismatch_max: float | None
+    mismatch_frac_above_0_1: float | None
+    completion_length_mean: float
+    completion_length_max: int
+    num_micros: int
+    num_samples: int
+    micro_order: list[int] = field(default_factory=list)
+    chunk_trace: list[ChunkTrace] = field(default_factory=list)
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # rollout, score, grad, optim
+    skipped_compute: bool = False
+
+    SCALARS = (
+        "valid_tokens",
+        "expected_valid_tokens",
+        "loss",
+        "grad_norm",
+        "clip_coef",
+        "lr",
+        "reward_mean",
+        "reward_std",
+        "zero_std_group_fraction",
+        "advantage_abs_max",
+        "kl",
+        "clip_fraction_low",
+        "clip_fraction_high",
+        "mismatch_mean",
+        "mismatch_p90",
+        "mismatch_p99",
+        "mismatch_max",
+        "mismatch_frac_above_0_1",
+        "completion_length_mean",
+        "completion_length_max",
+        "num_micros",
+        "num_samples",
+    )
+
+    def scalars(self) -> dict[str, float | int | None]:
+        """The report's scalar fields (for metrics, logs and the store)."""
+        return {name: getattr(self, name) for name in self.SCALARS}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; non-finite floats become the strings 'nan', 'inf', '-inf'."""
+        return {k: _json_safe(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepReport:
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: _from_json(v) for k, v in data.items() if k in names}
+        kwargs["chunk_trace"] = [ChunkTrace(**c) for c in data.get("chunk_trace", [])]
+        return cls(**kwargs)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # 'nan', 'inf', '-inf'
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    if value in ("nan", "inf", "-inf"):
+        return float(value)
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _from_json(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,96 @@
+"""The torch sampler: batched, KV-cached generation with temperature and top-p.
+
+Runs under `torch.no_grad` (not `inference_mode`: its tensors feed the gradient pass).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from engine.model import compute_context
+
+
+@dataclass
+class Rollout:
+    completion_ids: torch.Tensor  # [samples, max_new] int64, pad after the stop
+    logprobs: torch.Tensor  # [samples, max_new] FP32 logprob under the sampled distribution
+    mask: torch.Tensor  # [samples, max_new] bool: generated tokens up to and including EOS
+
+
+def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask logits outside the smallest set whose probability reaches top_p."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    eos_token_id: int,
+    pad_token_id: int,
+    generator: torch.Generator,
+    dtype: str = "float32",
+) -> Rollout:
+    """Sample one completion per prompt (repeat prompts for a group)."""
+    n = len(prompts)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = 1
+    ragged = bool((attn == 0).any())
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    out_ids = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long)
+    out_lp = torch.zeros((n, max_new_tokens), dtype=torch.float32)
+    alive = torch.ones(n, dtype=torch.bool)
+    lengths = torch.zeros(n, dtype=torch.long)
+    cache = None
+    cache_arg = _cache_argument(model)
+    step_ids, step_pos = ids, positions
+    with compute_context(dtype):
+        for t in range(max_new_tokens):
+            out = model(
+                input_ids=step_ids,
+                position_ids=step_pos,
+                attention_mask=attn if ragged else None,
+                use_cache=True,
+                **{cache_arg: cache},
+                logits_to_keep=1,
+            )
+            cache = getattr(out, "cache", None) or out.past_key_values
+            logits = out.logits[:, -1].float()
+            if temperature != 1.0:
+                logits = logits / temperature
+            logprobs = _filter_top_p(logits, top_p).log_softmax(-1)
+            token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+            out_ids[:, t] = torch.where(alive, token, pad_token_id)
+            out_lp[:, t] = torch.where(alive, logprobs.gather(-1, token[:, None]).squeeze(-1), 0.0)
+            lengths += alive.long()
+            alive &= token != eos_token_id
+            if not bool(alive.any()):
+                break
+            step_ids = token[:, None]
+            step_pos = step_pos[:, -1:] + 1
+            if ragged:
+                attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype)], dim=1)
+    mask = torch.arange(max_new_tokens)[None, :] < lengths[:, None]
+    return Rollout(out_ids, out_lp, mask)
+
+
+def _cache_argument(model: torch.nn.Module) -> str:
+    """`cache` on newer transformers, `past_key_values` before it was renamed."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

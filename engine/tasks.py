@@ -1,0 +1,185 @@
+"""Tasks: prompts with answers, and the reward that scores a completion.
+
+Built in: `arith` (W1), `copy` (W1c) and `kv-retrieval` (W2). A user task is a JSONL file of
+`{"prompt", "answer"}` objects plus a reward `module:function(prompt, completion, answer)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import EngineError
+
+RewardFn = Callable[[str, str, str], float]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    answer: str
+
+
+def first_token_reward(prompt: str, completion: str, answer: str) -> float:
+    """1.0 iff the completion starts with the answer's first character."""
+    return 1.0 if completion[:1] == answer[:1] else 0.0
+
+
+def exact_match_reward(prompt: str, completion: str, answer: str) -> float:
+    """1.0 iff the stripped completion equals the stripped answer."""
+    return 1.0 if completion.strip() == answer.strip() else 0.0
+
+
+class Task:
+    """A source of prompts for each step and a reward for each completion."""
+
+    name: str
+    reward_fn: RewardFn = staticmethod(first_token_reward)
+    chars: str = ""
+
+    def prompts_for_step(self, step: int, n: int, seed: int) -> list[Prompt]:
+        raise NotImplementedError
+
+    def score(self, prompt: Prompt, completion: str, index: int) -> float:
+        """The reward of one completion; a raising or non-numeric reward is an EngineError."""
+        try:
+            value = self.reward_fn(prompt.text, completion, prompt.answer)
+        except Exception as exc:
+            raise EngineError(
+                f"task {self.name}: reward raised on sample {index} "
+                f"(prompt {prompt.text[:40]!r}): {type(exc).__name__}: {exc}"
+            ) from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise EngineError(
+                f"task {self.name}: reward returned {type(value).__name__}, not a number, "
+                f"on sample {index} (prompt {prompt.text[:40]!r})"
+            )
+        return float(value)
+
+
+class _FixedPromptTask(Task):
+    """A fixed prompt list walked in a seeded permutation per epoch (cursor = the step)."""
+
+    prompts: list[Prompt]
+
+    def prompts_for_step(self, step: int, n: int, seed: int) -> list[Prompt]:
+        out: list[Prompt] = []
+        total = len(self.prompts)
+        for k in range(step * n, step * n + n):
+            epoch, pos = divmod(k, total)
+            order = list(range(total))
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+            out.append(self.prompts[order[pos]])
+        return out
+
+
+class ArithTask(_FixedPromptTask):
+    """W1: 512 prompts `a+b=`; reward 1 iff the first token is (a+b) % 10."""
+
+    name = "arith"
+    chars = "0123456789+="
+
+    def __init__(self, count: int = 512) -> None:
+        rng = random.Random(0)
+        self.prompts = []
+        for _ in range(count):
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            self.prompts.append(Prompt(f"{a}+{b}=", str((a + b) % 10)))
+
+
+class CopyTask(ArithTask):
+    """W1c: the W1 prompts; reward 1 iff the first token repeats the prompt's first digit."""
+
+    name = "copy"
+
+    def __init__(self, count: int = 512) -> None:
+        super().__init__(count)
+        self.prompts = [Prompt(p.text, p.text[0]) for p in self.prompts]
+
+
+class KVRetrievalTask(Task):
+    """W2: `ab:3;cd:7;...` records then `?key=`; reward 1 iff the first token is the value.
+
+    A fraction of steps draw an all-long-prompt batch (every prompt longer than 150 tokens,
+    so a 64-token chunk 0 holds no completion token).
+    """
+
+    name = "kv-retrieval"
+    chars = "0123456789+=abcdefghijklmnopqrstuvwxyz:;?"
+    MIN_RECORDS, MAX_RECORDS, LONG_MIN_RECORDS = 4, 48, 30
+
+    def __init__(self, long_batch_fraction: float = 0.0) -> None:
+        self.long_batch_fraction = long_batch_fraction
+
+    def is_long_batch(self, step: int, seed: int) -> bool:
+        return random.Random(f"long:{seed}:{step}").random() < self.long_batch_fraction
+
+    def prompts_for_step(self, step: int, n: int, seed: int) -> list[Prompt]:
+        rng = random.Random(f"kv:{seed}:{step}")
+        low = self.LONG_MIN_RECORDS if self.is_long_batch(step, seed) else self.MIN_RECORDS
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        out = []
+        for _ in range(n):
+            count = rng.randint(low, self.MAX_RECORDS)
+            keys = rng.sample([a + b for a in letters for b in letters], count)
+            values = [str(rng.randint(0, 9)) for _ in keys]
+            asked = rng.randrange(count)
+            body = "".join(f"{k}:{v};" for k, v in zip(keys, values))
+            out.append(Prompt(f"{body}?{keys[asked]}=", values[asked]))
+        return out
+
+
+class JsonlTask(_FixedPromptTask):
+    """A user task: one `{"prompt": str, "answer": str}` object per line."""
+
+    def __init__(self, path: str, reward: str) -> None:
+        self.name = path
+        file = Path(path)
+        try:
+            lines = file.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise EngineError(f"task {path}: cannot read: {exc.strerror}") from None
+        self.prompts = []
+        for lineno, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                self.prompts.append(Prompt(str(obj["prompt"]), str(obj["answer"])))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise EngineError(
+                    f'task {path}: line {lineno} is not a {{"prompt", "answer"}} object ({exc})'
+                ) from None
+        if not self.prompts:
+            raise EngineError(f"task {path}: no prompts")
+        self.reward_fn = load_reward(reward) if reward else exact_match_reward
+        self.chars = "".join(sorted({ch for p in self.prompts for ch in p.text + p.answer}))
+
+
+def load_reward(spec: str) -> RewardFn:
+    """Import `module:function`; a bad spec is an EngineError naming it."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise EngineError(f"reward {spec!r}: expected module:function")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise EngineError(f"reward {spec!r}: cannot import: {exc}") from None
+    if not callable(fn):
+        raise EngineError(f"reward {spec!r}: not callable")
+    return fn
+
+
+def build_task(task: str, reward: str = "", long_batch_fraction: float = 0.0) -> Task:
+    """The task named by the config's `task` key."""
+    if task == "arith":
+        return ArithTask()
+    if task == "copy":
+        return CopyTask()
+    if task == "kv-retrieval":
+        return KVRetrievalTask(long_batch_fraction)
+    return JsonlTask(task, reward)

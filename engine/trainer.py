@@ -1,0 +1,487 @@
+"""The GRPO engine: rollout -> advantages -> pack -> accumulate -> apply | flush.
+
+`Engine.rollout()` produces the step's `TransportBatch`; `accumulate(batch)` runs forward and
+backward over every micro and returns the `StepReport` (grad norm included) before anything is
+applied; the caller then decides: `apply()` or `flush()`. The machinery (sampling, packing,
+the chunked FP32 head, the token counter) is one call away, each in its own module.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.accounting import ValidTokenCounter
+from engine.advantages import group_advantages
+from engine.batch import TransportBatch
+from engine.checkpoint import load_checkpoint, save_checkpoint
+from engine.config import EngineConfig
+from engine.errors import EngineError
+from engine.loss import LossSettings, policy_token_loss, token_logprobs
+from engine.model import compute_context, load_policy
+from engine.packing import Sample, attention_mask, pack
+from engine.report import ChunkTrace, StepReport
+from engine.rollout import sample
+from engine.tasks import build_task
+
+SENTINEL_LOGPROB = -9999.0
+LOSS_SPIKE_SCALE = 1000.0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        if config.faults_on:
+            warnings.warn(
+                "grpod engine: FAULT INJECTION IS ON (drill mode); this run corrupts steps "
+                "on purpose",
+                stacklevel=2,
+            )
+        self.task = build_task(config.task, config.reward, config.long_prompt_batch_fraction)
+        self.model, self.tokenizer = load_policy(config.model, self.task.chars, config.seq_len)
+        self.reference = (
+            copy.deepcopy(self.model).requires_grad_(False) if config.kl_beta > 0 else None
+        )
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=config.lr,
+            betas=config.adam_betas,
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.counter = ValidTokenCounter(per_chunk_reset=config.accounting_fault != "none")
+        self.loss_settings = LossSettings(
+            kind=config.loss,
+            eps_low=config.eps_low,
+            eps_high=config.eps_high,
+            logratio_clamp=config.logratio_clamp,
+            tis_cap=config.tis_cap,
+            kl_beta=config.kl_beta,
+        )
+        self.config_digest = config.digest()
+        self.step = 0  # the next batch to roll out (the data cursor)
+        self.rollout_cache: TransportBatch | None = None  # epochs > 1: this generation's batch
+        self._pending: StepReport | None = None
+
+    # ----------------------------------------------------------------- the GRPO step
+    def rollout(self) -> TransportBatch:
+        """Sample this step's completions, score them, and pack the `TransportBatch`."""
+        cfg, step = self.config, self.step
+        generation = step // cfg.epochs
+        cached = self.rollout_cache
+        if cfg.epochs > 1 and cached is not None and cached.meta["generation"] == generation:
+            return replace(cached, step=step)  # same samples, same old logprobs: epoch > 1
+        started = time.perf_counter()
+        prompts = self.task.prompts_for_step(generation, cfg.prompts_per_step, cfg.seed)
+        prompt_ids = [self._encode_prompt(p.text) for p in prompts]
+        out = sample(
+            self.model,
+            [ids for ids in prompt_ids for _ in range(cfg.group_size)],
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            generator=torch.Generator().manual_seed(step_seed(cfg.seed, generation)),
+            dtype=cfg.dtype,
+        )
+        lengths = out.mask.sum(-1).tolist()
+        rewards = torch.tensor(
+            [
+                self.task.score(
+                    prompts[i // cfg.group_size],
+                    self.tokenizer.decode(out.completion_ids[i, :n].tolist()),
+                    i,
+                )
+                for i, n in enumerate(lengths)
+            ],
+            dtype=torch.float32,
+        )
+        injected = []
+        if step in cfg.fault_equal_reward_steps:
+            rewards = rewards.reshape(-1, cfg.group_size)[:, :1].expand(-1, cfg.group_size)
+            rewards = rewards.reshape(-1).clone()
+            injected.append("equal-rewards")
+        advantages, _ = group_advantages(rewards, cfg.group_size, cfg.scale_rewards)
+        if step in cfg.fault_loss_spike_steps:
+            advantages = advantages * LOSS_SPIKE_SCALE
+            injected.append("loss-spike")
+        samples = [
+            Sample(
+                tokens=prompt_ids[i // cfg.group_size] + out.completion_ids[i, :n].tolist(),
+                prompt_len=len(prompt_ids[i // cfg.group_size]),
+                advantage=float(advantages[i]),
+                sampler_logprobs=out.logprobs[i, :n].tolist(),
+                group=i // cfg.group_size,
+            )
+            for i, n in enumerate(lengths)
+        ]
+        if step in cfg.fault_sentinel_logprob_steps:
+            first = next(i for i, n in enumerate(lengths) if n > 0)
+            samples[first].sampler_logprobs[0] = SENTINEL_LOGPROB
+            injected.append("sentinel-logprob")
+        batch = pack(
+            samples,
+            seq_len=cfg.seq_len,
+            micro_batch_rows=cfg.micro_batch_rows,
+            pack_rows=cfg.pack,
+            pad_token_id=self.tokenizer.pad_token_id,
+            rewards=rewards,
+            step=step,
+            config_digest=self.config_digest,
+            sequence_chunks=cfg.sequence_chunks,
+            meta={"generation": generation, "injected": injected},
+        )
+        rollout_seconds = time.perf_counter() - started
+        score_seconds = 0.0
+        if cfg.epochs > 1:  # one scoring pass per generation, reused by every epoch
+            started = time.perf_counter()
+            batch = replace(batch, old_logprobs=self.score(batch))
+            score_seconds = time.perf_counter() - started
+            self.rollout_cache = batch
+        batch.meta.update(rollout_seconds=rollout_seconds, score_seconds=score_seconds)
+        return batch
+
+    def accumulate(self, batch: TransportBatch) -> StepReport:
+        """Forward + backward over every micro; grads scaled by the step's valid-token count."""
+        if self._pending is not None:
+            raise EngineError(f"step {self._pending.step}: accumulate before apply or flush")
+        if self.loss_settings.tis_cap > 0 and batch.sampler_logprobs is None:
+            raise EngineError(
+                f"batch step {batch.step}: tis_cap is on but the batch has no sampler logprobs"
+            )
+        started = time.perf_counter()
+        reference = self.score(batch, self.reference) if self.reference is not None else None
+        score_seconds = batch.meta.get("score_seconds", 0.0) + time.perf_counter() - started
+
+        started = time.perf_counter()
+        stats = _StepStats()
+        self.counter.start_step()
+        for micro in range(batch.num_micros):
+            micro_loss = self._micro_loss(batch, micro, reference, stats)
+            if batch.step in self.config.fault_nan_loss_steps and micro == 0:
+                micro_loss = micro_loss + float("nan")
+            stats.micro_loss_sums.append(micro_loss.detach())
+            micro_loss.backward()
+        valid_tokens = self.counter.value
+        token_scale = 1.0 / max(valid_tokens, 1)  # the step total, never one micro's count
+        grads = [p.grad for p in self.params if p.grad is not None]
+        torch._foreach_mul_(grads, token_scale)
+        if batch.step in self.config.fault_inf_grad_steps:
+            grads[0].view(-1)[0] = float("inf")
+        grad_norm = float(torch.nn.utils.get_total_norm(grads))
+        grad_seconds = time.perf_counter() - started
+
+        report = stats.report(
+            batch,
+            valid_tokens=valid_tokens,
+            token_scale=token_scale,
+            grad_norm=grad_norm,
+            max_grad_norm=self.config.max_grad_norm,
+            lr=self.optimizer.param_groups[0]["lr"],
+        )
+        report.phase_seconds = {
+            "rollout": batch.meta.get("rollout_seconds", 0.0),
+            "score": score_seconds,
+            "grad": grad_seconds,
+            "optim": 0.0,
+        }
+        self._pending = report
+        return report
+
+    def apply(self) -> StepReport:
+        """Clip with the pre-clip norm, take the AdamW step, advance the LR schedule."""
+        report = self._take_pending()
+        started = time.perf_counter()
+        if report.clip_coef < 1.0:
+            torch.nn.utils.clip_grads_with_norm_(
+                self.params, self.config.max_grad_norm, torch.tensor(report.grad_norm)
+            )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        report.phase_seconds["optim"] = time.perf_counter() - started
+        return report
+
+    def flush(self) -> StepReport:
+        """Discard the step's gradients: weights, optimizer state and schedule untouched."""
+        report = self._take_pending()
+        self.optimizer.zero_grad(set_to_none=True)
+        return report
+
+    def skip(self, batch: TransportBatch) -> StepReport:
+        """Flush a step without computing it (a guard's skip-fast); the cursor advances."""
+        if self._pending is not None:
+            raise EngineError(f"step {self._pending.step}: skip before apply or flush")
+        report = _StepStats().report(
+            batch, valid_tokens=0, token_scale=0.0, grad_norm=0.0, max_grad_norm=1.0, lr=0.0
+        )
+        report.skipped_compute = True
+        report.micro_order = list(range(batch.num_micros))
+        self.step = batch.step + 1
+        return report
+
+    # ----------------------------------------------------------------- machinery
+    def _micro_loss(
+        self,
+        batch: TransportBatch,
+        micro: int,
+        reference: torch.Tensor | None,
+        stats: _StepStats,
+    ) -> torch.Tensor:
+        """Sum of per-token losses of one micro, computed chunk by chunk in `chunk_order`."""
+        hidden, targets = self._forward(self.model, batch, micro)
+        mask = batch.loss_mask[micro].reshape(-1)  # [rows * seq], target-aligned
+        token_index = mask.nonzero().squeeze(-1)  # trainable positions, sorted
+        bounds = _chunk_bounds(mask.numel(), batch.sequence_chunks)
+        cuts = torch.searchsorted(token_index, torch.tensor(bounds)).tolist()
+        head = self.model.get_output_embeddings().weight
+        chunks = range(batch.sequence_chunks)
+        if self.config.chunk_order == "reverse" or self.config.accounting_fault != "none":
+            chunks = reversed(chunks)
+        micro_loss = hidden.new_zeros((), dtype=torch.float32)
+        for c in chunks:
+            self.counter.start_chunk()
+            chunk_tokens = self.counter.add(mask[bounds[c] : bounds[c + 1]])
+            index = token_index[cuts[c] : cuts[c + 1]]
+            logprobs = token_logprobs(
+                hidden[index - 1],  # token p is scored by the logits at p-1
+                head,
+                targets[index],
+                chunks=self.config.lmhead_chunks,
+                temperature=self.config.temperature,
+            )
+            old = (
+                logprobs.detach()
+                if batch.old_logprobs is None
+                else _flat(batch.old_logprobs, micro)[index]
+            )
+            sampler = (
+                None
+                if batch.sampler_logprobs is None
+                else _flat(batch.sampler_logprobs, micro)[index]
+            )
+            token_loss = policy_token_loss(
+                logprobs,
+                old,
+                _flat(batch.advantages, micro)[index],
+                self.loss_settings,
+                sampler_logprobs=sampler,
+                ref_logprobs=None if reference is None else _flat(reference, micro)[index],
+            )
+            chunk_loss = token_loss.loss.sum()
+            micro_loss = micro_loss + chunk_loss
+            stats.add_chunk(micro, c, chunk_tokens, chunk_loss, self.counter, token_loss)
+            stats.add_logprobs(logprobs.detach(), sampler)
+        return micro_loss
+
+    def _forward(
+        self, model: torch.nn.Module, batch: TransportBatch, micro: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Trunk hidden states `[rows * seq, H]` and token ids `[rows * seq]` of one micro."""
+        sample_ids = batch.sample_ids[micro]
+        used = int((sample_ids >= 0).any(-1).sum())  # trailing all-padding rows are skipped
+        seq = batch.seq_len
+        with compute_context(self.config.dtype):
+            hidden = model.base_model(
+                input_ids=batch.input_ids[micro, :used],
+                position_ids=batch.position_ids[micro, :used],
+                attention_mask=attention_mask(sample_ids[:used]),
+                use_cache=False,
+            ).last_hidden_state
+        hidden = hidden.reshape(used * seq, -1)
+        rows = batch.input_ids.shape[1]
+        if used < rows:  # keep flat indices of the full micro valid; padding is never trained
+            hidden = torch.cat([hidden, hidden.new_zeros((rows - used) * seq, hidden.shape[-1])])
+        return hidden, batch.input_ids[micro].reshape(-1)
+
+    @torch.no_grad()
+    def score(self, batch: TransportBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """FP32 logprobs `[micros, rows, seq]` of every trainable token (0 elsewhere)."""
+        model = model or self.model
+        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
+        head = model.get_output_embeddings().weight
+        for micro in range(batch.num_micros):
+            hidden, targets = self._forward(model, batch, micro)
+            index = batch.loss_mask[micro].reshape(-1).nonzero().squeeze(-1)
+            logprobs = token_logprobs(
+                hidden[index - 1],
+                head,
+                targets[index],
+                chunks=self.config.lmhead_chunks,
+                temperature=self.config.temperature,
+            )
+            out[micro].view(-1)[index] = logprobs
+        return out
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        try:
+            ids = self.tokenizer.encode(text)
+        except ValueError as exc:
+            raise EngineError(f"task {self.task.name}: prompt {text[:40]!r}: {exc}") from None
+        bos = self.tokenizer.bos_token_id
+        return ids if bos is None else [bos, *ids]
+
+    def _take_pending(self) -> StepReport:
+        if self._pending is None:
+            raise EngineError("apply/flush without a pending accumulate")
+        report, self._pending = self._pending, None
+        self.step = report.step + 1
+        return report
+
+    def _lr_factor(self, applied: int) -> float:
+        cfg = self.config
+        if applied < cfg.warmup_steps:
+            return (applied + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "cosine":
+            progress = min(1.0, (applied - cfg.warmup_steps) / max(1, cfg.total_steps))
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Write the full training state to directory `path` atomically (see checkpoint.py)."""
+        return save_checkpoint(self, path, extra)
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore from directory `path`; returns the extra state saved with it."""
+        return load_checkpoint(self, path)
+
+    def state_digest(self) -> str:
+        """sha256 over weights, optimizer state and the LR schedule position."""
+        h = hashlib.sha256()
+        for name, tensor in sorted(self.model.state_dict().items()):
+            h.update(name.encode())
+            h.update(_tensor_bytes(tensor))
+        opt = self.optimizer.state_dict()
+        for index in sorted(opt["state"]):
+            for key, value in sorted(opt["state"][index].items()):
+                h.update(f"{index}.{key}".encode())
+                h.update(_tensor_bytes(value) if torch.is_tensor(value) else repr(value).encode())
+        h.update(f"schedule:{self.scheduler.last_epoch}".encode())
+        return h.hexdigest()
+
+
+class _StepStats:
+    """Per-chunk trace and token statistics gathered while a step accumulates."""
+
+    def __init__(self) -> None:
+        self.trace: list[tuple] = []
+        self.micro_loss_sums: list[torch.Tensor] = []
+        self.trainer_lp: list[torch.Tensor] = []
+        self.sampler_lp: list[torch.Tensor] = []
+        self.clipped_low = self.clipped_high = self.tokens = 0
+        self.kl_sum: torch.Tensor | None = None
+
+    def add_chunk(self, micro, chunk, tokens, loss, counter, token_loss) -> None:
+        self.trace.append((micro, chunk, tokens, loss.detach(), counter._count))
+        self.clipped_low += token_loss.clipped_low.sum()
+        self.clipped_high += token_loss.clipped_high.sum()
+        self.tokens += token_loss.loss.numel()
+        if token_loss.kl is not None:
+            kl = token_loss.kl.detach().sum()
+            self.kl_sum = kl if self.kl_sum is None else self.kl_sum + kl
+
+    def add_logprobs(self, trainer: torch.Tensor, sampler: torch.Tensor | None) -> None:
+        self.trainer_lp.append(trainer)
+        if sampler is not None:
+            self.sampler_lp.append(sampler)
+
+    def report(
+        self,
+        batch: TransportBatch,
+        *,
+        valid_tokens: int,
+        token_scale: float,
+        grad_norm: float,
+        max_grad_norm: float,
+        lr: float,
+    ) -> StepReport:
+        loss_sums = [float(x) for x in self.micro_loss_sums]
+        rewards = batch.rewards
+        group_size = max(
+            1, batch.num_samples // max(1, int(batch.sample_group_ids.unique().numel()))
+        )
+        _, zero_std = group_advantages(rewards, group_size) if batch.num_samples else (None, 0.0)
+        mismatch = _mismatch(self.trainer_lp, self.sampler_lp)
+        tokens = max(int(self.tokens), 1)
+        lengths = batch.completion_lengths.float()
+        return StepReport(
+            step=batch.step,
+            valid_tokens=valid_tokens,
+            expected_valid_tokens=batch.expected_valid_tokens(),
+            loss=sum(loss_sums) * token_scale,
+            micro_losses=[x * token_scale for x in loss_sums],
+            grad_norm=grad_norm,
+            clip_coef=min(1.0, max_grad_norm / (grad_norm + 1e-6))
+            if grad_norm == grad_norm
+            else 0.0,
+            lr=lr,
+            reward_mean=float(rewards.mean()) if batch.num_samples else 0.0,
+            reward_std=float(rewards.std(correction=0)) if batch.num_samples else 0.0,
+            zero_std_group_fraction=zero_std,
+            advantage_abs_max=float(batch.advantages.abs().max())
+            if batch.advantages.numel()
+            else 0.0,
+            kl=None if self.kl_sum is None else float(self.kl_sum) / tokens,
+            clip_fraction_low=float(self.clipped_low) / tokens,
+            clip_fraction_high=float(self.clipped_high) / tokens,
+            completion_length_mean=float(lengths.mean()) if lengths.numel() else 0.0,
+            completion_length_max=int(lengths.max()) if lengths.numel() else 0,
+            num_micros=batch.num_micros,
+            num_samples=batch.num_samples,
+            micro_order=list(batch.meta.get("micro_order", range(batch.num_micros))),
+            chunk_trace=[
+                ChunkTrace(m, c, int(n), float(loss), int(after))
+                for m, c, n, loss, after in self.trace
+            ],
+            **mismatch,
+        )
+
+
+def _mismatch(trainer: list[torch.Tensor], sampler: list[torch.Tensor]) -> dict[str, float | None]:
+    """|sampler - trainer| logprob statistics over trainable tokens, from the same forward."""
+    keys = ("mean", "p90", "p99", "max", "frac_above_0_1")
+    if not sampler or not trainer:
+        return {f"mismatch_{k}": None for k in keys}
+    delta = (torch.cat(sampler) - torch.cat(trainer)).abs().double()
+    if delta.numel() == 0:
+        return {f"mismatch_{k}": None for k in keys}
+    q = torch.quantile(delta, torch.tensor([0.9, 0.99], dtype=torch.float64)).tolist()
+    values = (delta.mean(), q[0], q[1], delta.max(), (delta > 0.1).double().mean())
+    return {f"mismatch_{k}": float(v) for k, v in zip(keys, values)}
+
+
+def _chunk_bounds(length: int, chunks: int) -> list[int]:
+    """Boundaries of `chunks` near-equal windows over `length` (as `tensor_split` cuts them)."""
+    base, extra = divmod(length, chunks)
+    bounds = [0]
+    for c in range(chunks):
+        bounds.append(bounds[-1] + base + (1 if c < extra else 0))
+    return bounds
+
+
+def _flat(tensor: torch.Tensor, micro: int) -> torch.Tensor:
+    return tensor[micro].reshape(-1)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    t = tensor.detach().contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A per-step sampler seed: reproducible, independent of how many steps ran before."""
+    digest = hashlib.sha256(f"grpod:{seed}:{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
