@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -111,3 +112,26 @@ def test_install_promtool_fails_loudly_without_apt(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "install_promtool: error: apt-get not found" in result.stderr
     assert not (tmp_path / "tools" / "promtool").exists()
+
+
+def test_runbook_commands_parse_with_the_real_cli() -> None:
+    """Every `grpod ...` command a runbook names is accepted by the grpod parser."""
+    import shlex
+
+    from daemon.cli import build_parser
+
+    parser = build_parser()
+    placeholders = {"RUN_DIR": "/tmp/run", "ID": "1", "N": "3"}
+    commands = [
+        cmd
+        for rule in load_alert_rules()
+        for cmd in re.findall(r"`grpod ([^`]+)`", rule["annotations"]["runbook"])
+    ]
+    assert commands
+    for command in commands:
+        argv = [placeholders.get(word, word) for word in shlex.split(command)]
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit:
+            raise AssertionError(f"runbook command does not parse: grpod {command}") from None
+        assert callable(args.handler), command

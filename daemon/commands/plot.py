@@ -1,0 +1,258 @@
+"""`grpod plot`: the dashboard's main views as PNG files, rendered from the forensic store.
+
+For a run without Prometheus and Grafana (a laptop, a bug report, the README). Reads every
+recorded step of the run directory (the last record of each step when a step was re-run)
+and its incidents; writes, into `--out`:
+
+- `learning.png`: reward mean ± std and loss per step;
+- `outcomes.png`: each step's outcome (applied / flushed / skipped) with incidents marked;
+- `accounting.png`: valid tokens, engine counter vs host-side loss-mask sum, per step;
+- `gradnorm.png`: pre-clip grad norm against 1/valid tokens (the reversed-chunk signature);
+- `overview.png`: the four views on one page.
+
+Rendering uses matplotlib's Agg canvas through `Figure` objects (no pyplot global state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+OUTCOME_COLORS = {"applied": "#2ca02c", "flushed": "#ff7f0e", "skipped": "#1f77b4"}
+OUTCOME_LEVELS = {"applied": 0, "flushed": 1, "skipped": 2}
+DEFAULT_RUN_DIR = "var/grpod/latest"  # the daemon's newest run (see daemon/config.py)
+PNG_DPI = 100
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot", help="render a run's curves from the store as PNG files")
+    p.add_argument(
+        "--run-dir", default=DEFAULT_RUN_DIR, help="run directory (default: %(default)s)"
+    )
+    p.add_argument("--out", required=True, help="directory for the PNG files (created)")
+    p.set_defaults(handler=_plot)
+
+
+@dataclass
+class RunSeries:
+    """Per-step columns of one run directory, in step order (one entry per step)."""
+
+    steps: list[int] = field(default_factory=list)
+    outcomes: list[str] = field(default_factory=list)
+    valid_tokens: list[float] = field(default_factory=list)
+    expected_valid_tokens: list[float] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    reward_mean: list[float] = field(default_factory=list)
+    reward_std: list[float] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)
+    incidents: list[tuple[int, int, str]] = field(default_factory=list)  # (id, step, action)
+
+
+def load_series(run_dir: str | Path) -> RunSeries:
+    """Read the recorded steps and incidents of `run_dir` from its store (read-only).
+
+    Raises ForensicsError when there is no store, its schema is not this grpod's, or it
+    holds no step.
+    """
+    from sqlalchemy import select
+
+    from forensics.errors import ForensicsError
+    from forensics.models import Step
+    from forensics.store import Store
+
+    store = Store(run_dir, create=False)
+    try:
+        store.check_schema()
+        with store.session() as session:
+            runs = store.run_ids(session)
+            rows = session.scalars(
+                select(Step).where(Step.run_id.in_(runs)).order_by(Step.step, Step.id)
+            ).all()
+            last = {row.step: row for row in rows}  # a re-run's record replaces the first
+            incidents = [(i.id, i.step, i.action) for i in store.incidents(session)]
+    finally:
+        store.close()
+    if not last:
+        raise ForensicsError(f"run dir {store.run_dir}: no recorded steps to plot")
+    series = RunSeries(incidents=incidents)
+    for step in sorted(last):
+        row = last[step]
+        series.steps.append(step)
+        series.outcomes.append(row.outcome)
+        series.valid_tokens.append(_num(row.valid_tokens))
+        series.expected_valid_tokens.append(_num(row.expected_valid_tokens))
+        series.loss.append(_num(row.loss))
+        series.reward_mean.append(_num(row.reward_mean))
+        series.reward_std.append(_num(row.reward_std))
+        # A skipped step computed nothing; its zeros would read as data.
+        computed = row.outcome != "skipped"
+        series.grad_norm.append(_num(row.grad_norm) if computed else math.nan)
+    return series
+
+
+def _num(value: Any) -> float:
+    return math.nan if value is None else float(value)
+
+
+# ---------------------------------------------------------------------------- views
+def draw_learning(series: RunSeries, reward_ax: Any, loss_ax: Any) -> None:
+    """Reward mean with a ±std band, and the loss, per step."""
+    mean, std = series.reward_mean, series.reward_std
+    reward_ax.plot(series.steps, mean, color="#1f77b4", lw=1.2, label="reward mean")
+    reward_ax.fill_between(
+        series.steps,
+        [m - s for m, s in zip(mean, std)],
+        [m + s for m, s in zip(mean, std)],
+        color="#1f77b4",
+        alpha=0.2,
+        lw=0,
+        label="± std",
+    )
+    reward_ax.set_ylabel("reward")
+    reward_ax.legend(loc="best", fontsize=8)
+    loss_ax.plot(series.steps, series.loss, color="#d62728", lw=1.2, label="loss")
+    _mark_flushed(series, loss_ax, series.loss)
+    loss_ax.set_ylabel("loss")
+    loss_ax.set_xlabel("step")
+    loss_ax.legend(loc="best", fontsize=8)
+
+
+def draw_outcomes(series: RunSeries, ax: Any) -> None:
+    """One marker per step at its outcome's level; incidents as labelled vertical lines."""
+    for outcome, color in OUTCOME_COLORS.items():
+        xs = [s for s, o in zip(series.steps, series.outcomes) if o == outcome]
+        if xs:
+            ax.scatter(xs, [OUTCOME_LEVELS[outcome]] * len(xs), s=14, color=color, label=outcome)
+    for n, (incident_id, step, action) in enumerate(series.incidents):
+        ax.axvline(step, color="#d62728", lw=0.8, alpha=0.6, label="incident" if n == 0 else None)
+        ax.annotate(
+            f"#{incident_id} {action}",
+            (step, 2.45),
+            fontsize=7,
+            color="#d62728",
+            rotation=90,
+            va="bottom",
+            ha="right",
+        )
+    ax.set_yticks(list(OUTCOME_LEVELS.values()), list(OUTCOME_LEVELS))
+    ax.set_ylim(-0.5, 3.6)
+    ax.set_xlabel("step")
+    ax.set_title(f"outcomes ({len(series.incidents)} incidents)", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+
+
+def draw_accounting(series: RunSeries, ax: Any) -> None:
+    """Engine valid tokens vs the loss-mask sum; steps where they differ in red."""
+    ax.plot(series.steps, series.expected_valid_tokens, color="#7f7f7f", lw=2.5, alpha=0.5,
+            label="expected (loss mask)")  # fmt: skip
+    ax.plot(series.steps, series.valid_tokens, color="#1f77b4", lw=1.0, label="engine counter")
+    bad = [
+        (s, v)
+        for s, v, e in zip(series.steps, series.valid_tokens, series.expected_valid_tokens)
+        if v != e
+    ]
+    if bad:
+        ax.scatter(*zip(*bad), color="#d62728", s=20, zorder=3, label=f"differ ({len(bad)})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("valid tokens")
+    ax.set_title("token accounting", fontsize=10)
+    ax.legend(loc="best", fontsize=8)
+
+
+def draw_gradnorm(series: RunSeries, ax: Any) -> None:
+    """Pre-clip grad norm against 1/valid tokens, by outcome, with Pearson r in the title."""
+    points = [
+        (1.0 / v, g, o)
+        for v, g, o in zip(series.valid_tokens, series.grad_norm, series.outcomes)
+        if v > 0 and math.isfinite(g)
+    ]
+    for outcome, color in OUTCOME_COLORS.items():
+        xs = [(x, g) for x, g, o in points if o == outcome]
+        if xs:
+            ax.scatter(*zip(*xs), s=14, color=color, alpha=0.8, label=outcome)
+    r = pearson([x for x, _, _ in points], [g for _, g, _ in points])
+    r_text = "n/a" if r is None else f"{r:.2f}"
+    ax.set_title(f"grad norm vs 1/valid tokens (r = {r_text}, n = {len(points)})", fontsize=10)
+    ax.set_xlabel("1 / valid tokens")
+    ax.set_ylabel("pre-clip grad norm")
+    ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 2))
+    if points:
+        ax.legend(loc="best", fontsize=8)
+
+
+def _mark_flushed(series: RunSeries, ax: Any, values: list[float]) -> None:
+    xs = [(s, v) for s, v, o in zip(series.steps, values, series.outcomes) if o == "flushed"]
+    xs = [(s, v) for s, v in xs if math.isfinite(v)]
+    if xs:
+        ax.scatter(*zip(*xs), color=OUTCOME_COLORS["flushed"], s=16, zorder=3, label="flushed")
+
+
+def pearson(xs: list[float], ys: list[float]) -> float | None:
+    """Pearson correlation of two equal-length lists; None under 3 points or no variance."""
+    n = len(xs)
+    if n < 3:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    if sxx <= 0 or syy <= 0:
+        return None
+    return sxy / math.sqrt(sxx * syy)
+
+
+# ---------------------------------------------------------------------------- files
+def render(series: RunSeries, out_dir: str | Path, title: str = "") -> list[Path]:
+    """Write the five PNG files into `out_dir` (created); returns their paths."""
+    from matplotlib.figure import Figure
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+
+    def save(fig: Figure, name: str) -> None:
+        if title:
+            fig.suptitle(title, fontsize=11)
+        path = out / name
+        fig.savefig(path, dpi=PNG_DPI)
+        written.append(path)
+
+    fig = Figure(figsize=(8, 6), layout="constrained")
+    reward_ax, loss_ax = fig.subplots(2, 1, sharex=True)
+    draw_learning(series, reward_ax, loss_ax)
+    save(fig, "learning.png")
+
+    fig = Figure(figsize=(8, 3.5), layout="constrained")
+    draw_outcomes(series, fig.subplots())
+    save(fig, "outcomes.png")
+
+    fig = Figure(figsize=(8, 4), layout="constrained")
+    draw_accounting(series, fig.subplots())
+    save(fig, "accounting.png")
+
+    fig = Figure(figsize=(6, 5), layout="constrained")
+    draw_gradnorm(series, fig.subplots())
+    save(fig, "gradnorm.png")
+
+    fig = Figure(figsize=(12, 8), layout="constrained")
+    grid = fig.add_gridspec(3, 2)
+    reward_ax = fig.add_subplot(grid[0, 0])
+    draw_learning(series, reward_ax, fig.add_subplot(grid[1, 0], sharex=reward_ax))
+    draw_outcomes(series, fig.add_subplot(grid[2, 0]))
+    draw_accounting(series, fig.add_subplot(grid[0:1, 1]))
+    draw_gradnorm(series, fig.add_subplot(grid[1:3, 1]))
+    save(fig, "overview.png")
+    return written
+
+
+def _plot(args: argparse.Namespace) -> int:
+    series = load_series(args.run_dir)
+    title = (
+        f"grpod {Path(args.run_dir).resolve().name}: steps {series.steps[0]}..{series.steps[-1]}"
+    )
+    for path in render(series, args.out, title=title):
+        print(path)
+    return 0
