@@ -1,5 +1,5 @@
 """Subcommand modules; each has `register(subparsers)` and sets `handler` on its parsers."""
 
-from daemon.commands import run
+from daemon.commands import config, forensics, run, status
 
-COMMAND_MODULES = [run]
+COMMAND_MODULES = [run, forensics, config, status]

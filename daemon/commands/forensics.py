@@ -1,0 +1,230 @@
+"""`grpod db upgrade`, `grpod replay`, `grpod incidents list|show|export`, `grpod fsck`, `grpod gc`.
+
+Bad input raises ForensicsError (one line, exit 2, nothing modified). `replay` exits 0 when
+the step reproduced and 1 when it diverged; `fsck` exits 1 when it found a problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+DEFAULT_RUN_DIR = "var/grpod/latest"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="run directory (%(default)s)")
+    common.add_argument("--store-url", default="", help="store URL (default: the run dir's)")
+
+    db = sub.add_parser("db", help="the forensic store's schema")
+    db_sub = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
+    upgrade = db_sub.add_parser("upgrade", parents=[common], help="migrate to the newest schema")
+    upgrade.set_defaults(handler=_db_upgrade)
+
+    replay = sub.add_parser("replay", parents=[common], help="replay a recorded step")
+    replay.add_argument("incident", nargs="?", type=int, metavar="INCIDENT_ID")
+    replay.add_argument("--step", type=int, help="replay this step instead of an incident")
+    replay.add_argument("--trace", action="store_true", help="per-micro, per-chunk trace")
+    replay.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    replay.set_defaults(handler=_replay)
+
+    incidents = sub.add_parser("incidents", help="incidents of a run")
+    inc_sub = incidents.add_subparsers(dest="incidents_command", required=True, metavar="ACTION")
+    listing = inc_sub.add_parser("list", parents=[common], help="list incidents")
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(handler=_incidents_list)
+    show = inc_sub.add_parser("show", parents=[common], help="one incident in full")
+    show.add_argument("id", type=int, metavar="ID")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(handler=_incidents_show)
+    export = inc_sub.add_parser("export", parents=[common], help="batch + JSON to a new dir")
+    export.add_argument("id", type=int, metavar="ID")
+    export.add_argument("out_dir", metavar="DIR")
+    export.set_defaults(handler=_incidents_export)
+
+    fsck = sub.add_parser("fsck", parents=[common], help="verify every blob the store names")
+    fsck.add_argument("--json", action="store_true")
+    fsck.set_defaults(handler=_fsck)
+
+    gc = sub.add_parser("gc", parents=[common], help="prune blobs and checkpoints to a budget")
+    gc.add_argument("--budget-bytes", type=int, help="default: [forensics] retention_bytes")
+    gc.add_argument("--dry-run", action="store_true")
+    gc.add_argument("--json", action="store_true")
+    gc.set_defaults(handler=_gc)
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
+    from forensics import Store
+
+    store = Store(args.run_dir, args.store_url)
+    try:
+        head = store.upgrade()
+    finally:
+        store.close()
+    print(f"store {store.url}: schema at revision {head}")
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from forensics import ForensicsError, replay
+
+    if (args.incident is None) == (args.step is None):
+        raise ForensicsError("give an INCIDENT_ID or --step N (exactly one)")
+    progress = _ProgressBar() if sys.stderr.isatty() else None
+    result = replay(
+        args.run_dir,
+        step=args.step,
+        incident_id=args.incident,
+        trace=args.trace,
+        store_url=args.store_url,
+        progress=progress,
+    )
+    if progress is not None:
+        progress.done()
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0 if result.reproduced else 1
+    where = (
+        f"incident {args.incident}, step {result.step}" if args.incident else f"step {result.step}"
+    )
+    verdict = "reproduced" if result.reproduced else f"diverged at step {result.diverged_at}"
+    print(f"{where}: {verdict} ({result.classification})")
+    print(
+        f"  from checkpoint step {result.checkpoint_step}, {result.steps_replayed} steps replayed; "
+        f"recorded outcome {result.outcome}, verdict {result.verdict_action}"
+    )
+    if not result.reproduced:
+        print(f"  first differing field: {result.field}")
+    for name in result.recorded:
+        print(
+            f"  {name:<13} recorded {result.recorded[name]!r:<24} "
+            f"replayed {result.replayed.get(name)!r}"
+        )
+    if result.trace is not None:
+        print(f"  micro chunk  valid(rec/rep)  {'loss_sum(rec)':<24} {'loss_sum(rep)':<24} counter")
+        for row in result.trace:
+            mark = "" if row["equal"] else "  <- differs"
+            print(
+                f"  {row['micro']:>5} {row['chunk']:>5}  "
+                f"{row['recorded_valid_tokens']!s:>5}/{row['replayed_valid_tokens']!s:<7} "
+                f"{row['recorded_loss_sum']!r:<24} {row['replayed_loss_sum']!r:<24} "
+                f"{row['replayed_counter_after']}{mark}"
+            )
+    return 0 if result.reproduced else 1
+
+
+def _incidents_list(args: argparse.Namespace) -> int:
+    from forensics import list_incidents
+
+    rows = list_incidents(args.run_dir, args.store_url)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    if not rows:
+        print("no incidents")
+    for row in rows:
+        print(
+            f"{row['id']:>4}  step {row['step']:<6} {row['action']:<5} {row['outcome']:<8} "
+            f"checkpoint {row['checkpoint_step']!s:<6} {', '.join(row['guards']) or '-'}"
+        )
+    return 0
+
+
+def _incidents_show(args: argparse.Namespace) -> int:
+    from forensics import show_incident
+
+    detail = show_incident(args.run_dir, args.id, args.store_url)
+    if args.json:
+        print(json.dumps(detail))
+        return 0
+    print(
+        f"incident {detail['id']}: step {detail['step']} {detail['action']} "
+        f"({detail['outcome']}), run {detail['run_id']}, checkpoint {detail['checkpoint_step']}"
+    )
+    for finding in detail["findings"]:
+        print(f"  [{finding.get('action')}] {finding.get('guard')}: {finding.get('message')}")
+        for key, value in (finding.get("evidence") or {}).items():
+            print(f"      {key} = {value}")
+    report = detail["report"]
+    for name in ("loss", "valid_tokens", "expected_valid_tokens", "grad_norm", "reward_mean"):
+        print(f"  {name:<22} {report.get(name)}")
+    print(f"  batch blob {detail['batch_digest']}")
+    return 0
+
+
+def _incidents_export(args: argparse.Namespace) -> int:
+    from forensics import export_incident
+
+    out = export_incident(args.run_dir, args.id, args.out_dir, args.store_url)
+    print(f"incident {args.id}: exported to {out}")
+    return 0
+
+
+def _fsck(args: argparse.Namespace) -> int:
+    from forensics import fsck
+
+    report = fsck(args.run_dir, args.store_url)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        for line in report.problems:
+            print(f"problem: {line}")
+        for line in report.notes:
+            print(f"note: {line}")
+        state = "ok" if report.ok else f"{len(report.problems)} problems"
+        print(f"fsck: {report.blobs_checked} blobs checked, {state}")
+    return 0 if report.ok else 1
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from forensics import gc
+
+    budget = args.budget_bytes
+    if budget is None:
+        budget = _configured_retention(args.run_dir)
+    report = gc(args.run_dir, budget, store_url=args.store_url, dry_run=args.dry_run)
+    out: dict[str, Any] = report.to_dict()
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    verb = "would free" if args.dry_run else "freed"
+    print(
+        f"gc: {verb} {report.freed_bytes} bytes ({report.blobs_deleted} blobs, checkpoints "
+        f"{report.checkpoints_deleted or '-'}), kept {report.kept_bytes} of budget {budget}"
+    )
+    if not out["within_budget"]:
+        print("gc: still over budget: the rest is pinned by incidents or the newest checkpoint")
+    return 0
+
+
+def _configured_retention(run_dir: str) -> int:
+    """`[forensics] retention_bytes` from the run dir's config.toml, else the default."""
+    from pathlib import Path
+
+    from forensics import ForensicsConfig
+
+    path = Path(run_dir) / "config.toml"
+    section: dict[str, Any] = {}
+    if path.is_file():
+        import tomllib
+
+        section = tomllib.loads(path.read_text()).get("forensics", {})
+    return ForensicsConfig.model_validate(section).retention_bytes
+
+
+class _ProgressBar:
+    """A one-line progress bar on stderr (only built when stderr is a TTY)."""
+
+    def __call__(self, done: int, total: int, step: int) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        bar = "#" * filled + "-" * (width - filled)
+        sys.stderr.write(f"\rreplay [{bar}] {done}/{total} step {step}")
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        sys.stderr.write("\n")
+        sys.stderr.flush()

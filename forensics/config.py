@@ -1,0 +1,39 @@
+"""`ForensicsConfig`: the forensics config section (`[forensics]` in grpod.toml)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ACTIONS = ("PASS", "WARN", "FLUSH", "HALT")  # the guards' Action order, by name
+
+
+class ForensicsConfig(BaseModel):
+    """Where steps are recorded, when an incident opens, and how much history is kept."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    store_url: str = Field(
+        "", description="SQLAlchemy URL; '' = SQLite file <run_dir>/grpod.sqlite"
+    )
+    incident_action: Literal["PASS", "WARN", "FLUSH", "HALT"] = Field(
+        "WARN", description="a verdict at or above this action opens an incident"
+    )
+    queue_size: int = Field(8, ge=1, description="steps the recorder may hold before record blocks")
+    retention_bytes: int = Field(
+        2 * 1024**3, ge=0, description="`grpod gc` size budget for blobs and checkpoints"
+    )
+    busy_timeout_ms: int = Field(10_000, ge=0, description="SQLite busy_timeout")
+
+
+def action_rank(action: str | int) -> int:
+    """0..3 for PASS..HALT, from a name ("FLUSH") or a guards `Action` value."""
+    if isinstance(action, int):
+        return int(action)
+    try:
+        return ACTIONS.index(action.upper())
+    except ValueError:
+        from forensics.errors import ForensicsError
+
+        raise ForensicsError(f"verdict action {action!r}: not one of {ACTIONS}") from None

@@ -1,0 +1,99 @@
+"""Incidents: list, show, and export one (its batch as safetensors + JSON) to hand over."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from engine import EngineError, TransportBatch
+from forensics.blobs import BlobStore
+from forensics.errors import ForensicsError
+from forensics.models import Checkpoint, Incident, Step
+from forensics.store import Store
+
+
+def list_incidents(run_dir: str | os.PathLike, store_url: str = "") -> list[dict[str, Any]]:
+    """One summary dict per incident of the run directory, oldest first."""
+    store = Store(run_dir, store_url, create=False)
+    try:
+        store.check_schema()
+        with store.session() as session:
+            return [_summary(session, i) for i in store.incidents(session)]
+    finally:
+        store.close()
+
+
+def show_incident(
+    run_dir: str | os.PathLike, incident_id: int, store_url: str = ""
+) -> dict[str, Any]:
+    """The incident with its verdict, findings and the step's full report."""
+    store = Store(run_dir, store_url, create=False)
+    try:
+        store.check_schema()
+        with store.session() as session:
+            incident = store.incident(session, incident_id)
+            step = session.get(Step, incident.step_id)
+            return {
+                **_summary(session, incident),
+                "verdict": json.loads(incident.verdict_json),
+                "findings": json.loads(incident.findings_json),
+                "batch_digest": step.batch_digest,
+                "report": json.loads(step.report_json),
+            }
+    finally:
+        store.close()
+
+
+def export_incident(
+    run_dir: str | os.PathLike, incident_id: int, out_dir: str | os.PathLike, store_url: str = ""
+) -> Path:
+    """Write `out_dir/batch.safetensors` and `out_dir/incident.json` (report, findings, config).
+
+    `out_dir` must not exist yet; it appears complete or not at all.
+    """
+    out = Path(out_dir)
+    if out.exists():
+        raise ForensicsError(f"export {out}: already exists; choose a new directory")
+    detail = show_incident(run_dir, incident_id, store_url)
+    store = Store(run_dir, store_url, create=False)
+    try:
+        with store.session() as session:
+            config = json.loads(store.run(session, detail["run_id"]).config_json)
+    finally:
+        store.close()
+    if detail["batch_digest"] is None:
+        raise ForensicsError(f"incident {incident_id}: its batch was never recorded")
+    tensors, metadata = BlobStore(store.run_dir).read(detail["batch_digest"])
+    try:
+        batch = TransportBatch.from_tensors(tensors, metadata, source=detail["batch_digest"])
+    except EngineError as exc:
+        raise ForensicsError(str(exc)) from None
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    batch.save(tmp / "batch.safetensors")
+    (tmp / "incident.json").write_text(json.dumps({**detail, "config": config}, indent=2) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def _summary(session: Any, incident: Incident) -> dict[str, Any]:
+    step = session.get(Step, incident.step_id)
+    checkpoint = (
+        None if incident.checkpoint_id is None else session.get(Checkpoint, incident.checkpoint_id)
+    )
+    findings = json.loads(incident.findings_json)
+    return {
+        "id": incident.id,
+        "run_id": incident.run_id,
+        "step": incident.step,
+        "action": incident.action,
+        "outcome": step.outcome,
+        "findings": len(findings),
+        "guards": sorted({f.get("guard", "?") for f in findings}),
+        "checkpoint_step": None if checkpoint is None else checkpoint.step,
+        "created_at": incident.created_at.isoformat(),
+    }

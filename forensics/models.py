@@ -1,0 +1,121 @@
+"""The store's tables (SQLAlchemy 2 declarative). Migrations in `migrations/` create them.
+
+Scalar columns are for querying; `steps.report_json` is the authoritative record of a step
+(SQLite stores a NaN REAL as NULL, the JSON keeps it as "nan").
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    run_dir: Mapped[str] = mapped_column(Text)  # absolute path when the run started
+    config_json: Mapped[str] = mapped_column(Text)  # {engine, guards, forensics, daemon}
+    config_digest: Mapped[str] = mapped_column(String(64))  # sha256 of the canonical JSON
+    versions_json: Mapped[str] = mapped_column(Text)  # {"grpod": .., "torch": .., ...}
+    device: Mapped[str] = mapped_column(String(256))
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Blob(Base):
+    __tablename__ = "blobs"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)  # canonical content digest
+    size: Mapped[int] = mapped_column(BigInteger)  # file bytes
+    kind: Mapped[str] = mapped_column(String(32))  # "batch"
+    path: Mapped[str] = mapped_column(Text)  # relative to the run directory
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Step(Base):
+    """One recorded step: its outcome, every StepReport scalar, the verdict, the batch digest."""
+
+    __tablename__ = "steps"
+    __table_args__ = (Index("ix_steps_run_step", "run_id", "step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    outcome: Mapped[str] = mapped_column(String(16))  # applied | flushed | skipped
+    rerun: Mapped[bool] = mapped_column(Boolean, default=False)
+    verdict_action: Mapped[str] = mapped_column(String(8))  # PASS | WARN | FLUSH | HALT
+    verdict_json: Mapped[str] = mapped_column(Text)  # {"action", "findings": [...]}
+    batch_digest: Mapped[str | None] = mapped_column(String(64))  # blobs.sha256 (may be pruned)
+    report_json: Mapped[str] = mapped_column(Text)  # StepReport.to_dict()
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # every StepReport scalar (StepReport.SCALARS)
+    valid_tokens: Mapped[int] = mapped_column(Integer)
+    expected_valid_tokens: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float | None] = mapped_column(Float)
+    grad_norm: Mapped[float | None] = mapped_column(Float)
+    clip_coef: Mapped[float | None] = mapped_column(Float)
+    lr: Mapped[float | None] = mapped_column(Float)
+    reward_mean: Mapped[float | None] = mapped_column(Float)
+    reward_std: Mapped[float | None] = mapped_column(Float)
+    zero_std_group_fraction: Mapped[float | None] = mapped_column(Float)
+    advantage_abs_max: Mapped[float | None] = mapped_column(Float)
+    kl: Mapped[float | None] = mapped_column(Float)
+    clip_fraction_low: Mapped[float | None] = mapped_column(Float)
+    clip_fraction_high: Mapped[float | None] = mapped_column(Float)
+    mismatch_mean: Mapped[float | None] = mapped_column(Float)
+    mismatch_p90: Mapped[float | None] = mapped_column(Float)
+    mismatch_p99: Mapped[float | None] = mapped_column(Float)
+    mismatch_max: Mapped[float | None] = mapped_column(Float)
+    mismatch_frac_above_0_1: Mapped[float | None] = mapped_column(Float)
+    completion_length_mean: Mapped[float | None] = mapped_column(Float)
+    completion_length_max: Mapped[int] = mapped_column(Integer)
+    num_micros: Mapped[int] = mapped_column(Integer)
+    num_samples: Mapped[int] = mapped_column(Integer)
+
+
+class Checkpoint(Base):
+    """A checkpoint directory noted by the daemon; `step` = the engine cursor when saved."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (Index("ix_checkpoints_run_step", "run_id", "step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)  # relative to the run directory when inside it
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)  # an incident needs it
+    deleted: Mapped[bool] = mapped_column(Boolean, default=False)  # removed by retention
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Incident(Base):
+    """A verdict at or above the incident action: it pins [checkpoint step, step] for ever."""
+
+    __tablename__ = "incidents"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    step_id: Mapped[int] = mapped_column(ForeignKey("steps.id"))
+    action: Mapped[str] = mapped_column(String(8))
+    verdict_json: Mapped[str] = mapped_column(Text)
+    findings_json: Mapped[str] = mapped_column(Text)
+    checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

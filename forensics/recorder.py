@@ -1,0 +1,270 @@
+"""`FlightRecorder`: every step's TransportBatch and StepReport, recorded off the critical path.
+
+`record()` hands the step to a writer thread through a bounded queue; a full queue blocks the
+trainer (and is counted in `blocked_total`), it never drops a step. The writer writes the
+batch blob (temp, fsync, rename), then commits the blob row, the step row and, when the
+verdict is at or above `incident_action`, an incident pinning the checkpoint before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import insert, select
+
+from engine import StepReport, TransportBatch
+from forensics.blobs import BlobStore
+from forensics.config import ACTIONS, ForensicsConfig, action_rank
+from forensics.errors import ForensicsError
+from forensics.models import Blob, Checkpoint, Incident, Run, Step
+from forensics.store import Store
+
+OUTCOMES = ("applied", "flushed", "skipped")
+
+
+@dataclass
+class _StepItem:
+    batch: TransportBatch
+    report: dict[str, Any]  # StepReport.to_dict(), taken on the caller's thread
+    verdict: dict[str, Any]
+    outcome: str
+    rerun: bool
+
+
+@dataclass
+class _CheckpointItem:
+    step: int
+    path: str
+
+
+_STOP = object()
+
+
+class FlightRecorder:
+    """Records one run directory's steps; one writer thread, one bounded queue."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        config: ForensicsConfig | None = None,
+        *,
+        upgrade: bool = True,
+    ) -> None:
+        self.config = config or ForensicsConfig()
+        self.run_dir = Path(run_dir)
+        self.store = Store(
+            self.run_dir, self.config.store_url, busy_timeout_ms=self.config.busy_timeout_ms
+        )
+        if upgrade:
+            self.store.upgrade()
+        else:
+            self.store.check_schema()
+        self.blobs = BlobStore(self.run_dir)
+        self.incident_rank = action_rank(self.config.incident_action)
+        self.run_id: str | None = None
+        self.blocked_total = 0  # record() calls that found the queue full and waited
+        self.recorded_total = 0  # steps committed by the writer
+        self.incidents_total = 0  # incidents opened by the writer
+        self._error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=self.config.queue_size)
+        self._thread = threading.Thread(target=self._write_loop, name="grpod-recorder", daemon=True)
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        """Steps waiting for the writer."""
+        return self._queue.qsize()
+
+    # ----------------------------------------------------------------- trainer side
+    def start_run(
+        self, run_id: str, config_json: dict[str, Any], versions: dict[str, str], device: str
+    ) -> None:
+        """Register the run (idempotent for a resumed run id): config {engine, guards, ...}."""
+        text = json.dumps(config_json, sort_keys=True)
+        with self.store.session() as session:
+            run = session.get(Run, run_id)
+            if run is None:
+                session.add(
+                    Run(
+                        id=run_id,
+                        run_dir=str(self.store.run_dir),
+                        config_json=text,
+                        config_digest=hashlib.sha256(text.encode()).hexdigest(),
+                        versions_json=json.dumps(versions, sort_keys=True),
+                        device=device,
+                        started_at=_now(),
+                        ended_at=None,
+                    )
+                )
+            else:
+                run.ended_at = None
+        self.run_id = run_id
+
+    def record(
+        self,
+        batch: TransportBatch,
+        report: StepReport,
+        verdict: dict[str, Any] | Any,
+        outcome: str,
+        rerun: bool = False,
+    ) -> None:
+        """Queue one decided step. Blocks (counted) only when `queue_size` steps are waiting."""
+        self._raise_failure()
+        if self.run_id is None:
+            raise ForensicsError("flight recorder: record() before start_run()")
+        if outcome not in OUTCOMES:
+            raise ForensicsError(f"step {report.step}: outcome {outcome!r} not in {OUTCOMES}")
+        verdict = _verdict_dict(verdict)
+        self._put(_StepItem(batch, report.to_dict(), verdict, outcome, rerun))
+
+    def note_checkpoint(self, step: int, path: str | os.PathLike) -> None:
+        """A checkpoint taken with engine.step == `step` (the state before step `step`)."""
+        self._raise_failure()
+        if self.run_id is None:
+            raise ForensicsError("flight recorder: note_checkpoint() before start_run()")
+        self._put(_CheckpointItem(step, self.store.relative(path)))
+
+    def drain(self) -> None:
+        """Wait until everything queued so far is committed."""
+        self._queue.join()
+        self._raise_failure()
+
+    def close(self) -> None:
+        """Drain the queue, stop the writer, mark the run ended."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
+        try:
+            self._raise_failure()
+            if self.run_id is not None:
+                with self.store.session() as session:
+                    session.get(Run, self.run_id).ended_at = _now()
+        finally:
+            self.store.close()
+
+    def _put(self, item: Any) -> None:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.blocked_total += 1
+            self._queue.put(item)
+
+    def _raise_failure(self) -> None:
+        if self._error is not None:
+            raise ForensicsError(f"flight recorder failed: {self._error}")
+
+    # ----------------------------------------------------------------- writer thread
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                if self._error is None:  # after a failure, drain so the trainer never hangs
+                    self._write(item)
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _write(self, item: _StepItem | _CheckpointItem) -> None:
+        if isinstance(item, _CheckpointItem):
+            with self.store.session() as session:
+                session.add(
+                    Checkpoint(
+                        run_id=self.run_id,
+                        step=item.step,
+                        path=item.path,
+                        pinned=False,
+                        deleted=False,
+                        created_at=_now(),
+                    )
+                )
+            return
+        batch = item.batch
+        digest, size = self.blobs.write(batch.tensors(), batch.metadata())  # file complete first
+        report = item.report
+        with self.store.session() as session:
+            if session.get(Blob, digest) is None:
+                session.add(
+                    Blob(
+                        sha256=digest,
+                        size=size,
+                        kind="batch",
+                        path=self.blobs.relpath(digest),
+                        created_at=_now(),
+                    )
+                )
+                session.flush()
+            scalars = {name: _column_value(report[name]) for name in StepReport.SCALARS}
+            step_id = session.execute(
+                insert(Step).values(
+                    run_id=self.run_id,
+                    step=report["step"],
+                    outcome=item.outcome,
+                    rerun=item.rerun,
+                    verdict_action=item.verdict["action"],
+                    verdict_json=json.dumps(item.verdict, sort_keys=True),
+                    batch_digest=digest,
+                    report_json=json.dumps(report),
+                    recorded_at=_now(),
+                    **scalars,
+                )
+            ).inserted_primary_key[0]
+            opened = action_rank(item.verdict["action"]) >= self.incident_rank
+            if opened:
+                self._open_incident(session, report["step"], step_id, item.verdict)
+        self.recorded_total += 1
+        self.incidents_total += int(opened)
+
+    def _open_incident(self, session, step: int, step_id: int, verdict: dict[str, Any]) -> None:
+        checkpoint = session.scalars(
+            select(Checkpoint)
+            .where(
+                Checkpoint.run_id.in_(self.store.run_ids(session)),
+                Checkpoint.step <= step,
+                Checkpoint.deleted.is_(False),
+            )
+            .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+            .limit(1)
+        ).first()
+        if checkpoint is not None:
+            checkpoint.pinned = True
+        session.add(
+            Incident(
+                run_id=self.run_id,
+                step=step,
+                step_id=step_id,
+                action=verdict["action"],
+                verdict_json=json.dumps(verdict, sort_keys=True),
+                findings_json=json.dumps(verdict.get("findings", []), sort_keys=True),
+                checkpoint_id=None if checkpoint is None else checkpoint.id,
+                created_at=_now(),
+            )
+        )
+
+
+def _verdict_dict(verdict: dict[str, Any] | Any) -> dict[str, Any]:
+    """The contract's verdict dict; a guards `Verdict` (anything with to_dict) is accepted."""
+    if not isinstance(verdict, dict):
+        verdict = verdict.to_dict()
+    action = verdict.get("action", "PASS")
+    name = ACTIONS[action_rank(action)]
+    return {**verdict, "action": name, "findings": list(verdict.get("findings", []))}
+
+
+def _column_value(value: Any) -> Any:
+    """A StepReport.to_dict() scalar for a column ('nan'/'inf' strings back to floats)."""
+    return float(value) if value in ("nan", "inf", "-inf") else value
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)

@@ -1,0 +1,275 @@
+"""Deterministic replay of a recorded step.
+
+Restore the checkpoint at or before the step, re-apply the recorded steps in between exactly
+as they were decided (applied, flushed, or skipped without compute), run the target step,
+and compare with the record: `reproduced` when loss, valid tokens and grad norm are
+bit-equal at every step, else `diverged at step k` naming the first differing field.
+Nothing in the store or the run directory is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy import select
+
+from engine import Engine, EngineConfig, EngineError, StepReport, TransportBatch
+from forensics.blobs import BlobStore
+from forensics.errors import ForensicsError
+from forensics.models import Blob, Checkpoint, Step
+from forensics.store import Store
+
+COMPARED = ("valid_tokens", "loss", "grad_norm")
+Progress = Callable[[int, int, int], None]  # (done, total, step)
+
+
+@dataclass
+class ReplayResult:
+    reproduced: bool
+    step: int
+    recorded: dict[str, Any]  # COMPARED fields of the record (JSON-safe)
+    replayed: dict[str, Any]  # the same fields from the replay
+    classification: str  # persistent | transient | healthy
+    diverged_at: int | None  # first step whose compared fields differ
+    field: str | None  # the first differing field at that step
+    outcome: str  # the target step's recorded outcome
+    verdict_action: str
+    checkpoint_step: int
+    steps_replayed: int
+    incident_id: int | None = None
+    trace: list[dict[str, Any]] | None = field(default=None)  # per micro, per chunk
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Planned:
+    row: Step
+    report: StepReport
+    batch: TransportBatch
+
+
+def replay(
+    run_dir: str | os.PathLike,
+    step: int | None = None,
+    incident_id: int | None = None,
+    trace: bool = False,
+    *,
+    store_url: str = "",
+    progress: Progress | None = None,
+) -> ReplayResult:
+    """Replay `step` (or the step of `incident_id`) of the run in `run_dir`."""
+    if (step is None) == (incident_id is None):
+        raise ForensicsError("replay: give exactly one of an incident id or --step")
+    store = Store(run_dir, store_url, create=False)
+    try:
+        store.check_schema()
+        config, checkpoint, plan = _plan(store, step, incident_id)
+        engine = _restore(store, config, checkpoint)
+    finally:
+        store.close()
+    diverged_at = diverged_field = None
+    replayed: StepReport | None = None
+    for done, item in enumerate(plan):
+        replayed = _rerun(engine, item)
+        if replayed is not None and diverged_at is None:
+            diverged_field = _first_difference(item.report, replayed)
+            if diverged_field is not None:
+                diverged_at = item.report.step
+        if progress is not None:
+            progress(done + 1, len(plan), item.report.step)
+    target = plan[-1]
+    reproduced = diverged_at is None
+    bad = target.row.verdict_action != "PASS" or target.row.outcome != "applied"
+    return ReplayResult(
+        reproduced=reproduced,
+        step=target.report.step,
+        recorded=_fields(target.report),
+        replayed=_fields(replayed) if replayed is not None else {},
+        classification=("persistent" if bad else "healthy") if reproduced else "transient",
+        diverged_at=diverged_at,
+        field=diverged_field,
+        outcome=target.row.outcome,
+        verdict_action=target.row.verdict_action,
+        checkpoint_step=checkpoint.step,
+        steps_replayed=len(plan),
+        incident_id=incident_id,
+        trace=_trace(target.report, replayed) if trace and replayed is not None else None,
+    )
+
+
+def _plan(
+    store: Store, step: int | None, incident_id: int | None
+) -> tuple[dict[str, Any], Checkpoint, list[_Planned]]:
+    """The run config, the checkpoint, and every step from it to the target, verified."""
+    blobs = BlobStore(store.run_dir)
+    with store.session() as session:
+        runs = store.run_ids(session)
+        if incident_id is not None:
+            incident = store.incident(session, incident_id)
+            target = session.get(Step, incident.step_id)
+            if incident.checkpoint_id is None:
+                raise ForensicsError(
+                    f"incident {incident_id}: no checkpoint was taken before step {incident.step}"
+                )
+            checkpoint = session.get(Checkpoint, incident.checkpoint_id)
+        else:
+            target = store.latest_step(session, step)
+            checkpoint = session.scalars(
+                select(Checkpoint)
+                .where(
+                    Checkpoint.run_id.in_(runs),
+                    Checkpoint.step <= target.step,
+                    Checkpoint.deleted.is_(False),
+                )
+                .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+                .limit(1)
+            ).first()
+            if checkpoint is None:
+                raise ForensicsError(f"step {target.step}: no checkpoint at or before it")
+        if checkpoint.deleted or not store.checkpoint_path(checkpoint).is_dir():
+            raise ForensicsError(
+                f"checkpoint step {checkpoint.step}: missing directory "
+                f"{store.checkpoint_path(checkpoint)}"
+            )
+        rows = session.scalars(
+            select(Step)
+            .where(
+                Step.run_id.in_(runs),
+                Step.step >= checkpoint.step,
+                Step.step < target.step,
+                Step.id <= target.id,
+            )
+            .order_by(Step.step, Step.id)
+        ).all()
+        latest = {row.step: row for row in rows}  # the last decision recorded for each step
+        missing = sorted(set(range(checkpoint.step, target.step)) - set(latest))
+        if missing:
+            raise ForensicsError(
+                f"step {missing[0]}: not recorded, cannot replay from checkpoint step "
+                f"{checkpoint.step} to step {target.step}"
+            )
+        ordered = [latest[s] for s in range(checkpoint.step, target.step)] + [target]
+        plan = [_load(session, blobs, row) for row in ordered]
+        config = json.loads(store.run(session, target.run_id).config_json)
+        session.expunge_all()
+    return config, checkpoint, plan
+
+
+def _load(session: Any, blobs: BlobStore, row: Step) -> _Planned:
+    if row.batch_digest is None or session.get(Blob, row.batch_digest) is None:
+        raise ForensicsError(f"step {row.step}: its batch blob was pruned or never recorded")
+    tensors, metadata = blobs.read(row.batch_digest)
+    try:
+        batch = TransportBatch.from_tensors(tensors, metadata, source=f"blob {row.batch_digest}")
+    except EngineError as exc:
+        raise ForensicsError(str(exc)) from None
+    return _Planned(row, StepReport.from_dict(json.loads(row.report_json)), batch)
+
+
+def _restore(store: Store, config: dict[str, Any], checkpoint: Checkpoint) -> Engine:
+    try:
+        engine_config = EngineConfig.model_validate(config["engine"])
+    except (KeyError, TypeError, ValidationError) as exc:
+        first = str(exc).splitlines()[0]
+        raise ForensicsError(f"run config: no valid [engine] section ({first})") from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a drill run's fault-injection warning
+        engine = Engine(engine_config)
+    path = store.checkpoint_path(checkpoint)
+    try:
+        engine.load_checkpoint(path)
+    except EngineError as exc:
+        raise ForensicsError(str(exc)) from None
+    if engine.step != checkpoint.step:
+        raise ForensicsError(
+            f"checkpoint {path}: holds step {engine.step}, the store says {checkpoint.step}"
+        )
+    return engine
+
+
+def _rerun(engine: Engine, item: _Planned) -> StepReport | None:
+    """Run one recorded step as it was decided; None for a skipped step (nothing computed)."""
+    batch = as_run(item.batch, item.report.micro_order)
+    if item.row.outcome == "skipped":
+        engine.skip(batch)
+        return None
+    report = engine.accumulate(batch)
+    if item.row.outcome == "applied":
+        engine.apply()
+    else:
+        engine.flush()
+    return report
+
+
+def as_run(batch: TransportBatch, micro_order: list[int]) -> TransportBatch:
+    """The batch with its micros in `micro_order` (relative to the batch as rolled out),
+    whether the recorded batch is the one rolled out or one already reordered."""
+    identity = list(range(batch.num_micros))
+    previous = batch.meta.get("micro_order")
+    order = list(micro_order) or identity
+    if previous is not None and list(previous) == order:
+        return batch
+    if previous is not None and list(previous) != identity:
+        inverse = sorted(range(len(previous)), key=previous.__getitem__)
+        batch = batch.reorder(inverse)
+    return batch if order == identity else batch.reorder(order)
+
+
+def _first_difference(recorded: StepReport, replayed: StepReport) -> str | None:
+    for name in COMPARED:
+        if not bit_equal(getattr(recorded, name), getattr(replayed, name)):
+            return name
+    return None
+
+
+def bit_equal(a: float | int, b: float | int) -> bool:
+    """Bit equality of two numbers; any NaN equals any NaN (the record keeps no payload)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    a, b = float(a), float(b)
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return struct.pack("<d", a) == struct.pack("<d", b)
+
+
+def _fields(report: StepReport) -> dict[str, Any]:
+    return {name: _json_number(getattr(report, name)) for name in COMPARED}
+
+
+def _json_number(value: float | int) -> float | int | str:
+    return repr(value) if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _trace(recorded: StepReport, replayed: StepReport) -> list[dict[str, Any]]:
+    rows = []
+    for index in range(max(len(recorded.chunk_trace), len(replayed.chunk_trace))):
+        rec = recorded.chunk_trace[index] if index < len(recorded.chunk_trace) else None
+        new = replayed.chunk_trace[index] if index < len(replayed.chunk_trace) else None
+        first = rec or new
+        rows.append(
+            {
+                "micro": first.micro,
+                "chunk": first.chunk,
+                "recorded_valid_tokens": None if rec is None else rec.valid_tokens,
+                "replayed_valid_tokens": None if new is None else new.valid_tokens,
+                "recorded_loss_sum": None if rec is None else _json_number(rec.loss_sum),
+                "replayed_loss_sum": None if new is None else _json_number(new.loss_sum),
+                "recorded_counter_after": None if rec is None else rec.counter_after,
+                "replayed_counter_after": None if new is None else new.counter_after,
+                "equal": rec is not None
+                and new is not None
+                and rec.valid_tokens == new.valid_tokens
+                and bit_equal(rec.loss_sum, new.loss_sum),
+            }
+        )
+    return rows

@@ -1,0 +1,227 @@
+"""`Store`: the forensic database (SQLAlchemy 2 + Alembic); SQLite in the run dir or PostgreSQL.
+
+The default store is `<run_dir>/grpod.sqlite` (WAL, busy_timeout, foreign keys on); a
+`postgresql+psycopg://...` URL moves it to a server shared by several nodes, in which case
+the runs of one run directory are told apart by `runs.run_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, inspect, select, text
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from forensics.errors import ForensicsError
+from forensics.models import Checkpoint, Incident, Run, Step
+
+SQLITE_NAME = "grpod.sqlite"
+ALEMBIC_INI = Path(__file__).with_name("alembic.ini")
+
+
+def resolve_store_url(run_dir: str | os.PathLike, store_url: str = "") -> str:
+    """The store URL of a run dir: `store_url`, else `[forensics] store_url` of its
+    config.toml, else the SQLite file in the run dir."""
+    run_dir = Path(run_dir)
+    if not store_url:
+        store_url = _config_toml_store_url(run_dir / "config.toml")
+    return store_url or f"sqlite:///{(run_dir / SQLITE_NAME).resolve()}"
+
+
+def _config_toml_store_url(path: Path) -> str:
+    if not path.is_file():
+        return ""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # python 3.10
+        return ""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ForensicsError(f"config {path}: unreadable: {exc}") from None
+    return str(data.get("forensics", {}).get("store_url", "") or "")
+
+
+class Store:
+    """The database of one run directory. `create=False` refuses a missing SQLite file."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        store_url: str = "",
+        *,
+        create: bool = True,
+        busy_timeout_ms: int = 10_000,
+    ) -> None:
+        self.run_dir = Path(run_dir).resolve()
+        self.url = resolve_store_url(self.run_dir, store_url)
+        self.is_sqlite = self.url.startswith("sqlite")
+        self.shared = bool(store_url or not self.url.endswith(f"/{SQLITE_NAME}"))
+        if self.is_sqlite and not create:
+            path = Path(self.url.split("///", 1)[-1])
+            if not path.is_file():
+                raise ForensicsError(f"store {path}: no such file (is {self.run_dir} a run dir?)")
+        if self.is_sqlite and create:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.engine: Engine = create_engine(self.url)
+        except (SQLAlchemyError, ImportError, ValueError) as exc:
+            raise ForensicsError(f"store {self.url}: {exc}") from None
+        if self.is_sqlite:
+            _sqlite_pragmas(self.engine, busy_timeout_ms)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A session that commits on success and rolls back on error."""
+        with self._sessions() as session:
+            try:
+                yield session
+                session.commit()
+            except SQLAlchemyError as exc:
+                session.rollback()
+                raise ForensicsError(f"store {self.url}: {_one_line(exc)}") from None
+            except BaseException:
+                session.rollback()
+                raise
+
+    # ----------------------------------------------------------------- schema
+    def _alembic(self):
+        from alembic.config import Config
+        from alembic.script import ScriptDirectory
+
+        config = Config(str(ALEMBIC_INI))
+        return config, ScriptDirectory.from_config(config)
+
+    def revision(self) -> str | None:
+        """The store's Alembic revision, or None for an empty database."""
+        try:
+            with self.engine.connect() as conn:
+                if not inspect(conn).has_table("alembic_version"):
+                    return None
+                return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        except SQLAlchemyError as exc:
+            raise ForensicsError(f"store {self.url}: {_one_line(exc)}") from None
+
+    def head(self) -> str:
+        return self._alembic()[1].get_current_head()
+
+    def _refuse_newer(self, current: str | None) -> None:
+        if current is None:
+            return
+        from alembic.util import CommandError
+
+        try:
+            known = self._alembic()[1].get_revision(current)
+        except CommandError:
+            known = None
+        if known is None:
+            raise ForensicsError(
+                f"store {self.url}: schema revision {current} is newer than this grpod "
+                f"(head {self.head()}); upgrade grpod"
+            )
+
+    def upgrade(self) -> str:
+        """Migrate to the newest schema (idempotent); returns the head revision."""
+        from alembic import command
+
+        self._refuse_newer(self.revision())
+        config, _ = self._alembic()
+        try:
+            with self.engine.begin() as conn:
+                config.attributes["connection"] = conn
+                command.upgrade(config, "head")
+        except SQLAlchemyError as exc:
+            raise ForensicsError(f"store {self.url}: upgrade failed: {_one_line(exc)}") from None
+        return self.head()
+
+    def check_schema(self) -> None:
+        """Refuse a store that is empty, older or newer than this grpod's schema."""
+        current = self.revision()
+        if current is None:
+            raise ForensicsError(f"store {self.url}: no grpod schema; run `grpod db upgrade`")
+        self._refuse_newer(current)
+        if current != self.head():
+            raise ForensicsError(
+                f"store {self.url}: schema {current} is older than {self.head()}; "
+                "run `grpod db upgrade`"
+            )
+
+    # ----------------------------------------------------------------- queries
+    def run_ids(self, session: Session) -> list[str]:
+        """The runs of this run directory (all runs of a SQLite file in it), oldest first."""
+        query = select(Run.id).order_by(Run.started_at, Run.id)
+        if self.shared:
+            query = query.where(Run.run_dir == str(self.run_dir))
+        return list(session.scalars(query))
+
+    def run(self, session: Session, run_id: str) -> Run:
+        run = session.get(Run, run_id)
+        if run is None:
+            raise ForensicsError(f"run {run_id}: not in store {self.url}")
+        return run
+
+    def latest_step(self, session: Session, step: int) -> Step:
+        """The last record of `step` in this run directory."""
+        row = session.scalars(
+            select(Step)
+            .where(Step.run_id.in_(self.run_ids(session)), Step.step == step)
+            .order_by(Step.id.desc())
+            .limit(1)
+        ).first()
+        if row is None:
+            raise ForensicsError(f"step {step}: not recorded in {self.run_dir}")
+        return row
+
+    def incident(self, session: Session, incident_id: int) -> Incident:
+        row = session.get(Incident, incident_id)
+        if row is None or row.run_id not in self.run_ids(session):
+            raise ForensicsError(f"incident {incident_id}: no such incident in {self.run_dir}")
+        return row
+
+    def incidents(self, session: Session) -> list[Incident]:
+        runs = self.run_ids(session)
+        return list(
+            session.scalars(select(Incident).where(Incident.run_id.in_(runs)).order_by(Incident.id))
+        )
+
+    def checkpoints(self, session: Session, *, include_deleted: bool = False) -> list[Checkpoint]:
+        query = select(Checkpoint).where(Checkpoint.run_id.in_(self.run_ids(session)))
+        if not include_deleted:
+            query = query.where(Checkpoint.deleted.is_(False))
+        return list(session.scalars(query.order_by(Checkpoint.step, Checkpoint.id)))
+
+    def checkpoint_path(self, checkpoint: Checkpoint) -> Path:
+        path = Path(checkpoint.path)
+        return path if path.is_absolute() else self.run_dir / path
+
+    def relative(self, path: str | os.PathLike) -> str:
+        """`path` relative to the run dir when inside it (the run dir can move), else absolute."""
+        path = Path(path).resolve()
+        try:
+            return str(path.relative_to(self.run_dir))
+        except ValueError:
+            return str(path)
+
+
+def _sqlite_pragmas(engine: Engine, busy_timeout_ms: int) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA synchronous=FULL")  # a committed row survives power loss
+        cursor.close()
+
+
+def _one_line(exc: BaseException) -> str:
+    return str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
