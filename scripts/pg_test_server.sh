@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# A throwaway PostgreSQL server for the store tests (Debian's postgresql package).
+#   pg_test_server.sh start DATADIR PORT   install if needed, initdb, start on 127.0.0.1:PORT
+#                                          (trust auth), create role and database `grpod`
+#   pg_test_server.sh stop DATADIR PORT    stop it (the data directory stays)
+# Idempotent: an initialised DATADIR is reused, a running server is left running.
+# As root the server runs as the `postgres` user (PostgreSQL refuses to run as root).
+set -euo pipefail
+
+die() {
+    echo "pg_test_server: error: $*" >&2
+    exit 1
+}
+
+[[ $# -eq 3 ]] || die "usage: $0 start|stop DATADIR PORT"
+action="$1"
+port="$3"
+[[ "$port" =~ ^[0-9]+$ ]] || die "PORT must be a number, got '$port'"
+mkdir -p "$(dirname "$2")"
+datadir="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"
+
+find_bindir() {
+    local initdb
+    if initdb="$(command -v initdb 2>/dev/null)"; then
+        dirname "$(readlink -f "$initdb")"
+        return 0
+    fi
+    local dir
+    dir="$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)"
+    [[ -n "$dir" && -x "$dir/initdb" ]] || return 1
+    echo "$dir"
+}
+
+as_owner() {  # run a command as the server's owner
+    if [[ "$(id -u)" == "0" ]]; then
+        runuser -u postgres -- "$@"
+    else
+        "$@"
+    fi
+}
+
+running() {
+    [[ -f "$datadir/PG_VERSION" ]] && as_owner "$bindir/pg_ctl" -D "$datadir" status >/dev/null 2>&1
+}
+
+install_postgres() {
+    command -v apt-get >/dev/null || die "initdb not found and no apt-get to install postgresql"
+    [[ "$(id -u)" == "0" ]] || die "initdb not found; installing postgresql needs root"
+    echo "pg_test_server: installing Debian's postgresql package" >&2
+    apt-get update -qq >/dev/null || die "apt-get update failed"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null ||
+        die "apt-get install postgresql failed"
+}
+
+psql_admin() {
+    "$bindir/psql" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$port" -U postgres -d postgres "$@"
+}
+
+if ! bindir="$(find_bindir)"; then
+    [[ "$action" == "stop" ]] && exit 0  # nothing installed, nothing running
+    install_postgres
+    bindir="$(find_bindir)" || die "postgresql installed but initdb still not found"
+fi
+
+case "$action" in
+start)
+    if [[ ! -f "$datadir/PG_VERSION" ]]; then
+        mkdir -p "$datadir"
+        [[ "$(id -u)" == "0" ]] && chown postgres: "$datadir"
+        chmod 0700 "$datadir"
+        as_owner "$bindir/initdb" -D "$datadir" -U postgres -A trust --no-locale -E UTF8 \
+            >"$datadir.initdb.log" 2>&1 || die "initdb failed, see $datadir.initdb.log"
+    fi
+    if ! running; then
+        as_owner "$bindir/pg_ctl" -D "$datadir" -l "$datadir/server.log" -w -t 60 \
+            -o "-p $port -c listen_addresses=127.0.0.1 -k $datadir -c fsync=off" start \
+            >/dev/null || die "server did not start, see $datadir/server.log"
+    fi
+    if [[ "$(psql_admin -tAc "SELECT 1 FROM pg_roles WHERE rolname = 'grpod'")" != "1" ]]; then
+        psql_admin -c "CREATE ROLE grpod LOGIN CREATEDB"
+    fi
+    if [[ "$(psql_admin -tAc "SELECT 1 FROM pg_database WHERE datname = 'grpod'")" != "1" ]]; then
+        psql_admin -c "CREATE DATABASE grpod OWNER grpod"
+    fi
+    echo "pg_test_server: postgresql+psycopg://grpod@127.0.0.1:$port/grpod ($datadir)"
+    ;;
+stop)
+    if running; then
+        as_owner "$bindir/pg_ctl" -D "$datadir" -m fast -w stop >/dev/null
+    fi
+    ;;
+*)
+    die "unknown action '$action' (start or stop)"
+    ;;
+esac
