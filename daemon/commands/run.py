@@ -1,28 +1,71 @@
-"""`grpod run`: until the daemon loop lands, a plain engine-only campaign, one line per step."""
+"""`grpod run`: the training service (daemon/loop.py). Exit 0 ok, 1 failure, 2 bad input, 3 HALT.
+
+With no config it runs the embedded default (the tiny model on `copy`) under
+./var/grpod/<run-id>, ./var/grpod/latest pointing at it. `--run-dir` on an existing run
+resumes it from its latest checkpoint.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run a GRPO campaign")
-    p.add_argument("--max-steps", type=int, default=30)
-    p.add_argument("--run-dir", default="var/grpod/demo")
+    p = sub.add_parser("run", help="run (or resume) a GRPO campaign as a service")
+    p.add_argument("--config", metavar="FILE", help="grpod.toml (default: the embedded default)")
+    p.add_argument("--run-dir", metavar="DIR", help="run directory; an existing run resumes")
+    p.add_argument(
+        "--max-steps", type=_non_negative(int), metavar="N", help="stop at step N (0 = never)"
+    )
+    p.add_argument(
+        "--linger",
+        type=_non_negative(float),
+        metavar="SECONDS",
+        help="keep /metrics up this long after the loop stops (/healthz answers 503)",
+    )
     p.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine import Engine, EngineConfig
+    from daemon.rundir import resolve_plan
 
-    engine = Engine(EngineConfig(task="copy", threads=2))
-    for _ in range(args.max_steps):
-        report = engine.accumulate(engine.rollout())
-        engine.apply()
-        print(
-            json.dumps(
-                {"step": report.step, "reward_mean": report.reward_mean, "loss": report.loss}
-            )
-        )
-    return 0
+    overrides = {}
+    if args.max_steps is not None:
+        overrides["max_steps"] = args.max_steps
+    if args.linger is not None:
+        overrides["linger_seconds"] = args.linger
+    plan = resolve_plan(args.config, args.run_dir, overrides)  # reads only; ConfigError -> 2
+
+    from daemon.loop import EXIT_HALT, EXIT_OK, Daemon
+
+    code = Daemon(plan).run()
+    if code in (EXIT_OK, EXIT_HALT):
+        _print_summary(plan.run_dir.path, plan.config.forensics.store_url)
+    return code
+
+
+def _print_summary(run_dir, store_url: str) -> None:
+    """Where the store is and a `grpod replay` command for one of its steps (stderr)."""
+    from daemon.commands.status import store_summary
+
+    summary = store_summary(run_dir, store_url)
+    if summary is None or summary["last_step"] is None:
+        return
+    step = summary["incident_steps"][-1] if summary["incident_steps"] else summary["last_step"]
+    print(f"store: {summary['store']} (run dir {run_dir})", file=sys.stderr)
+    print(f"replay a step: grpod replay --run-dir {run_dir} --step {step}", file=sys.stderr)
+
+
+def _non_negative(kind: type) -> object:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse

@@ -1,0 +1,116 @@
+"""`grpod status [--run-dir DIR] [--json]`: last step, outcomes, incidents of a run.
+
+Reads the daemon's status.json (live state, pid) and the store (recorded steps); both are
+safe to read while the daemon runs (atomic rename; SQLite WAL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+DEFAULT_RUN_DIR = "var/grpod/latest"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="state of a run: last step, outcomes, incidents")
+    p.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="run directory (%(default)s)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(handler=_status)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from daemon.errors import ConfigError
+    from daemon.rundir import RunDir
+
+    run = RunDir(args.run_dir)
+    if not run.is_run():
+        raise ConfigError(f"run dir {run.path}: not a grpod run directory")
+    live = run.read_status() or {}
+    if live.get("state") in ("starting", "running", "stopping") and not _alive(live.get("pid")):
+        live["state"] = "dead (no process; resume with grpod run --run-dir)"
+    store_url = _store_url(run)
+    summary = store_summary(run.path, store_url) or {}
+    result = {"run_dir": str(run.path), "run_id": run.run_id(), **live, **summary}
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+        return 0
+    outcomes = " ".join(f"{k} {v}" for k, v in sorted(result.get("outcomes", {}).items()))
+    lines = [
+        f"run {result['run_id']} in {result['run_dir']}: {result.get('state', 'unknown')}",
+        f"last recorded step {result.get('last_step')} ({result.get('last_outcome')}, "
+        f"{result.get('last_verdict_action')}); outcomes: {outcomes or 'none'}; "
+        f"re-runs {result.get('reruns', 0)}",
+        f"incidents {result.get('incidents', 0)}; latest checkpoint step "
+        f"{result.get('checkpoint_step')}; last verdict {result.get('last_verdict')}",
+    ]
+    if result.get("metrics"):
+        lines.append(f"metrics {result['metrics']}")
+    print("\n".join(lines))
+    return 0
+
+
+def store_summary(run_dir: str | os.PathLike, store_url: str = "") -> dict[str, Any] | None:
+    """Recorded steps by outcome, re-runs, incidents, the last step; None without a store."""
+    from sqlalchemy import func, select
+
+    from forensics.errors import ForensicsError
+    from forensics.models import Incident, Step
+    from forensics.store import Store
+
+    try:
+        store = Store(run_dir, store_url, create=False)
+    except ForensicsError:
+        return None
+    try:
+        with store.session() as session:
+            runs = store.run_ids(session)
+            in_run = Step.run_id.in_(runs)
+            outcomes = dict(
+                session.execute(
+                    select(Step.outcome, func.count()).where(in_run).group_by(Step.outcome)
+                ).all()
+            )
+            reruns = session.scalar(select(func.count()).where(in_run, Step.rerun.is_(True)))
+            last = session.scalars(
+                select(Step).where(in_run).order_by(Step.id.desc()).limit(1)
+            ).first()
+            incident_steps = list(
+                session.scalars(
+                    select(Incident.step).where(Incident.run_id.in_(runs)).order_by(Incident.id)
+                )
+            )
+    except ForensicsError:
+        return None
+    finally:
+        store.close()
+    return {
+        "store": store.url,
+        "outcomes": outcomes,
+        "reruns": int(reruns or 0),
+        "last_step": None if last is None else last.step,
+        "last_outcome": None if last is None else last.outcome,
+        "last_verdict_action": None if last is None else last.verdict_action,
+        "incidents": len(incident_steps),
+        "incident_steps": incident_steps,
+    }
+
+
+def _store_url(run: Any) -> str:
+    from daemon.config import load_config
+
+    return load_config(run.config_path).forensics.store_url
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,120 @@
+"""structlog logging: JSON lines on stdout (journald-friendly), console rendering on a TTY.
+
+The logger is an object built here and passed around; `run_id`, `step` and `rank` are bound
+through `structlog.contextvars` so every event of a step carries them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
+
+LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+
+
+def make_logger(
+    fmt: str = "auto",
+    level: str = "info",
+    stream: TextIO | None = None,
+    before_write: Callable[[], None] | None = None,
+    drop_events: frozenset[str] = frozenset(),
+) -> structlog.typing.FilteringBoundLogger:
+    """A logger writing one event per line to `stream` (stdout by default).
+
+    fmt: "json", "console", or "auto" (console when `stream` is a TTY). `before_write` runs
+    before each line (the progress bar clears itself); `drop_events` names events left out
+    of this stream (the progress bar shows `step` instead).
+    """
+    out = sys.stdout if stream is None else stream
+    console = fmt == "console" or (fmt == "auto" and _isatty(out))
+    processors: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+    ]
+    if drop_events:
+        processors.append(_Drop(drop_events))
+    if console:
+        processors.append(structlog.dev.ConsoleRenderer(colors=_isatty(out)))
+    else:
+        processors += [
+            structlog.processors.format_exc_info,
+            _finite_json,
+            structlog.processors.JSONRenderer(sort_keys=False),
+        ]
+    return structlog.wrap_logger(
+        _Printer(out, before_write),
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
+    )
+
+
+def bind_run(run_id: str, rank: int) -> None:
+    """Bind the run's identity for every event that follows (contextvars)."""
+    structlog.contextvars.bind_contextvars(run_id=run_id, rank=rank)
+
+
+def step_context(step: int) -> contextlib.AbstractContextManager[None]:
+    """Bind `step` for the events of one step (and only those)."""
+    return structlog.contextvars.bound_contextvars(step=step)
+
+
+def clear() -> None:
+    structlog.contextvars.clear_contextvars()
+
+
+class _Printer:
+    """structlog's PrintLogger with a hook before each line, flushed per line (journald)."""
+
+    def __init__(self, stream: TextIO, before_write: Callable[[], None] | None) -> None:
+        self._stream = stream
+        self._before = before_write
+
+    def msg(self, message: str) -> None:
+        if self._before is not None:
+            self._before()
+        try:
+            self._stream.write(message + "\n")
+            self._stream.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # stdout gone (closed pipe): logging must not stop training
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = msg
+
+
+class _Drop:
+    def __init__(self, events: frozenset[str]) -> None:
+        self._events = events
+
+    def __call__(self, logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
+        if event.get("event") in self._events:
+            raise structlog.DropEvent
+        return event
+
+
+def _finite_json(logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
+    """JSON has no NaN or Infinity: write them as the strings 'nan', 'inf', '-inf'."""
+    return {key: _safe(value) for key, value in event.items()}
+
+
+def _safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_safe(v) for v in value]
+    return value
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -1,0 +1,373 @@
+"""The training service: rollout -> guarded step -> metrics and log -> record -> checkpoint.
+
+`Daemon(plan).run()` returns the exit code: 0 finished or stopped (SIGTERM/SIGINT after the
+step in flight, a checkpoint and a drained recorder), 3 HALT (after a checkpoint), 1 a
+failure in the loop, 128+signum when a second stop signal abandoned the step in flight.
+Resume: the latest checkpoint the store knows is restored (model, optimizer, schedule, data
+cursor, guard state); steps the store recorded after it are re-run and recorded as re-runs.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from sqlalchemy import func, select
+
+from daemon import logs
+from daemon.config import GrpodConfig, load_config
+from daemon.errors import ConfigError
+from daemon.health import Health, HealthServer
+from daemon.metrics import Metrics, mark_process_dead, serving_registry
+from daemon.notify import Notifier
+from daemon.progress import Progress, wanted
+from daemon.rundir import Plan, link_latest
+from daemon.signals import AbandonStep, Signals
+from engine import Engine
+from forensics.models import Step
+from forensics.recorder import FlightRecorder
+from guards import Action, GuardPolicy, guarded_step
+
+EXIT_OK, EXIT_FAILURE, EXIT_HALT = 0, 1, 3
+
+
+class Daemon:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.config: GrpodConfig = plan.config
+        self.run_dir = plan.run_dir
+        cfg = self.config.daemon
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.progress = Progress(cfg.max_steps) if wanted(cfg.progress) else None
+        self.log = logs.make_logger(
+            cfg.log_format,
+            cfg.log_level,
+            before_write=self.progress.clear if self.progress else None,
+            drop_events=frozenset({"step"}) if self.progress else frozenset(),
+        )
+        self.notifier = Notifier()
+        self.signals = Signals()
+        self.health = Health(cfg.health_max_step_age_seconds)
+        self.versions = _versions()
+        self.registry = CollectorRegistry()
+        self.metrics = Metrics(self.registry, self.versions)
+        self.server: HealthServer | None = None
+        if cfg.metrics and os.environ.get("LOCAL_RANK", "0") == "0":
+            try:  # bound before anything is created: a taken port is a config error
+                self.server = HealthServer(
+                    cfg.metrics_host, cfg.metrics_port, serving_registry(self.registry), self.health
+                )
+            except OSError as exc:
+                raise ConfigError(
+                    f"daemon.metrics_port: cannot bind {cfg.metrics_host}:{cfg.metrics_port}: "
+                    f"{exc.strerror or exc}"
+                ) from None
+        self.engine: Engine | None = None
+        self.policy: GuardPolicy | None = None
+        self.recorder: FlightRecorder | None = None
+        self.last_recorded = -1  # the highest step the store held at start: re-runs up to it
+        self.checkpointed_step = -1
+        self.last_verdict = "none"
+        self.last_step: int | None = None  # the last step this process finished
+
+    # ----------------------------------------------------------------- lifecycle
+    def run(self) -> int:
+        """Start (or resume), train until max_steps / a stop / HALT, shut down; exit code."""
+        self.signals.install()
+        logs.bind_run(self.plan.run_id, self.rank)
+        try:
+            self._start()
+        except BaseException:
+            self._close_quietly()
+            raise
+        try:
+            return self._loop()
+        except AbandonStep as exc:
+            return self._shutdown(
+                128 + int(self.signals.abandon_signal or 15), f"abandoned ({exc})", checkpoint=False
+            )
+        except Exception as exc:
+            self.log.error("failed", error=f"{type(exc).__name__}: {exc}")
+            return self._shutdown(EXIT_FAILURE, f"failed: {exc}", checkpoint=False)
+        finally:
+            self.signals.restore()
+            logs.clear()
+
+    def _start(self) -> None:
+        plan, cfg = self.plan, self.config
+        self.notifier.extend_timeout(cfg.daemon.checkpoint_timeout_seconds)
+        self.engine = Engine(cfg.engine)  # before the run dir: a bad engine config creates nothing
+        self.policy = GuardPolicy(cfg.guards)
+        if not plan.resume:
+            plan.run_dir.create(plan.run_id, cfg)
+            if plan.link_latest is not None:
+                link_latest(plan.link_latest, plan.run_dir.path)
+        self.recorder = FlightRecorder(plan.run_dir.path, cfg.forensics)
+        restored = self._restore()
+        self.recorder.start_run(plan.run_id, cfg.to_json(), self.versions, _device())
+        if self.server is not None:
+            self.server.start()
+        host, port = self.server.address if self.server else ("", 0)
+        self.log.info(
+            "started",
+            run_dir=str(plan.run_dir.path),
+            resumed_from=restored,
+            next_step=self.engine.step,
+            rerun_through=self.last_recorded,
+            max_steps=cfg.daemon.max_steps,
+            metrics=f"http://{host}:{port}/metrics" if self.server else None,
+            pid=os.getpid(),
+        )
+        if self.checkpointed_step < 0:
+            self._checkpoint("initial")  # replay of the first steps needs a checkpoint before them
+        self.health.beat()
+        self._publish_status("running")
+        self.notifier.ready(self._status_line())
+
+    def _restore(self) -> int | None:
+        """Restore the latest checkpoint the store noted; returns its step (None: fresh)."""
+        store = self.recorder.store
+        with store.session() as session:
+            checkpoints = store.checkpoints(session)
+            runs = store.run_ids(session)
+            last = session.scalar(select(func.max(Step.step)).where(Step.run_id.in_(runs)))
+        self.last_recorded = -1 if last is None else int(last)
+        for checkpoint in reversed(checkpoints):
+            path = store.checkpoint_path(checkpoint)
+            if not path.is_dir():
+                self.log.warning("checkpoint missing", step=checkpoint.step, path=str(path))
+                continue
+            extra = self.engine.load_checkpoint(path)
+            if "guards" in extra:
+                self.policy.load_state_dict(extra["guards"])
+            self.checkpointed_step = self.engine.step
+            return self.engine.step
+        return None
+
+    def _loop(self) -> int:
+        max_steps = self.config.daemon.max_steps
+        every = self.config.daemon.checkpoint_every
+        while not self.signals.stop_requested and not (max_steps and self.engine.step >= max_steps):
+            if self.signals.take_reload():
+                self._reload_guards()
+            with logs.step_context(self.engine.step):
+                action = self._step()
+            if self.signals.abandon_signal is not None:
+                signal_name = f"signal {self.signals.abandon_signal}"
+                return self._shutdown(
+                    128 + self.signals.abandon_signal,
+                    f"abandoned on {signal_name}",
+                    checkpoint=False,
+                )
+            if action == Action.HALT:
+                return self._shutdown(
+                    EXIT_HALT, f"HALT at step {self.engine.step - 1}: {self.last_verdict}"
+                )
+            if self.engine.step % every == 0:
+                self._checkpoint("periodic")
+        if self.signals.stop_requested:
+            name = "SIGINT" if self.signals.stop_signal == 2 else "SIGTERM"
+            return self._shutdown(EXIT_OK, f"stopped by {name}")
+        return self._shutdown(EXIT_OK, f"finished: reached max_steps {max_steps}")
+
+    # ----------------------------------------------------------------- one step
+    def _step(self) -> Action:
+        engine, policy = self.engine, self.policy
+        self.notifier.watchdog()
+        self.signals.abortable = True
+        batch = engine.rollout()
+        started = time.perf_counter()
+        report, verdict = guarded_step(engine, policy, batch)
+        guarded_seconds = time.perf_counter() - started
+        self.signals.abortable = False
+
+        outcome = (
+            "skipped"
+            if report.skipped_compute
+            else "flushed"
+            if verdict.action >= Action.FLUSH
+            else "applied"
+        )
+        rerun = report.step <= self.last_recorded
+        phases = dict(report.phase_seconds)
+        engine_seconds = (
+            phases.get("grad", 0.0)
+            + phases.get("optim", 0.0)
+            + phases.get("score", 0.0)
+            - batch.meta.get("score_seconds", 0.0)
+        )
+        phases["guards"] = max(0.0, guarded_seconds - engine_seconds)
+        started = time.perf_counter()
+        self.recorder.record(batch, report, verdict, outcome, rerun=rerun)
+        phases["record"] = time.perf_counter() - started
+
+        self.metrics.observe_step(report, verdict, outcome, phases, policy.gradnorm_vtc_correlation)
+        self.metrics.observe_recorder(
+            self.recorder.queue_depth, self.recorder.blocked_total, self.recorder.incidents_total
+        )
+        self.last_verdict = _verdict_text(verdict)
+        self.last_step = report.step
+        fields: dict[str, Any] = {
+            "outcome": outcome,
+            "verdict": verdict.action.name,
+            **report.scalars(),
+            "phase_seconds": {k: round(v, 6) for k, v in phases.items()},
+        }
+        if verdict.findings:
+            fields["findings"] = [
+                {"guard": f.guard, "action": f.action.name, "message": f.message}
+                for f in verdict.findings
+            ]
+        if rerun:
+            fields["rerun"] = True
+        log = self.log.warning if verdict.action >= Action.WARN else self.log.info
+        log("step", **fields)
+        self.health.beat()
+        self.notifier.watchdog()
+        self._publish_status("running")
+        if self.progress is not None:
+            self.progress.update(report.step, report.reward_mean, verdict.action.name)
+        return verdict.action
+
+    # ----------------------------------------------------------------- checkpoints, reload
+    def _checkpoint(self, reason: str) -> None:
+        step = self.engine.step
+        if step == self.checkpointed_step:
+            return
+        self.notifier.extend_timeout(self.config.daemon.checkpoint_timeout_seconds)
+        self.notifier.status(f"checkpointing step {step}")
+        started = time.perf_counter()
+        path = self.engine.save_checkpoint(
+            self.run_dir.checkpoint_path(step),
+            extra={"guards": self.policy.state_dict(), "run_id": self.plan.run_id},
+        )
+        self.recorder.note_checkpoint(step, path)  # queued after the steps before it
+        seconds = time.perf_counter() - started
+        self.checkpointed_step = step
+        self.metrics.phase_seconds.labels("checkpoint").observe(seconds)
+        self.log.info("checkpoint", reason=reason, path=str(path), seconds=round(seconds, 6))
+        self.notifier.watchdog()
+        self.notifier.status(self._status_line())
+
+    def _reload_guards(self) -> None:
+        """SIGHUP: new guard thresholds from the config file; the engine is never reloaded."""
+        source = self.plan.config_source
+        try:
+            fresh = load_config(source)
+        except ConfigError as exc:
+            self.log.error("reload failed", error=str(exc), kept="previous guards")
+            return
+        self.policy.reload(fresh.guards)
+        ignored = [
+            name
+            for name in ("engine", "forensics")
+            if getattr(fresh, name) != getattr(self.config, name)
+        ]
+        self.config = self.config.model_copy(update={"guards": fresh.guards})
+        self.log.info("reloaded", source=str(source), section="guards", ignored_changes=ignored)
+
+    # ----------------------------------------------------------------- shutdown
+    def _shutdown(self, code: int, reason: str, checkpoint: bool = True) -> int:
+        self.signals.abortable = False
+        if self.progress is not None:
+            self.progress.finish()
+        state = {EXIT_OK: "stopped", EXIT_HALT: "halted"}.get(code, "failed")
+        self.notifier.stopping(f"{state}: {reason}")
+        self.health.stop(reason)
+        (self.log.error if code == EXIT_HALT else self.log.info)(
+            "stopping", reason=reason, exit_code=code
+        )
+        if checkpoint:
+            self._checkpoint("halt" if code == EXIT_HALT else "stop")
+        drained = time.perf_counter()
+        try:
+            self.recorder.close()
+        except Exception as exc:  # a store that failed must not hide the reason we stop
+            self.log.error("recorder close failed", error=str(exc))
+            code = code or EXIT_FAILURE
+        self.metrics.observe_recorder(0, self.recorder.blocked_total, self.recorder.incidents_total)
+        self._publish_status(state, reason=reason, exit_code=code)
+        extra: dict[str, Any] = {}
+        if self.config.daemon.state_digest_on_exit:
+            extra["state_digest"] = self.engine.state_digest()
+        self.log.info(
+            "stopped",
+            reason=reason,
+            exit_code=code,
+            next_step=self.engine.step,
+            drain_seconds=round(time.perf_counter() - drained, 6),
+            **extra,
+        )
+        self._linger()
+        self._close_quietly()
+        return code
+
+    def _linger(self) -> None:
+        """Keep /metrics up (with /healthz 503) for `linger_seconds`; a stop signal ends it."""
+        if self.server is None:
+            return
+        deadline = time.monotonic() + self.config.daemon.linger_seconds
+        while time.monotonic() < deadline and self.signals.abandon_signal is None:
+            time.sleep(0.05)
+
+    def _close_quietly(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        mark_process_dead()
+        self.notifier.close()
+
+    # ----------------------------------------------------------------- status
+    def _status_line(self) -> str:
+        step = self.engine.step if self.engine else 0
+        return f"step {step - 1} done, next {step}; last verdict {self.last_verdict}"
+
+    def _publish_status(self, state: str, **extra: Any) -> None:
+        if self.rank != 0:
+            return
+        text = self._status_line() if state == "running" else f"{state}: {extra.get('reason', '')}"
+        self.notifier.status(text)
+        host, port = self.server.address if self.server else ("", 0)
+        self.run_dir.write_status(
+            {
+                "run_id": self.plan.run_id,
+                "pid": os.getpid(),
+                "state": state,
+                "step": self.last_step,
+                "next_step": self.engine.step,
+                "checkpoint_step": self.checkpointed_step,
+                "last_verdict": self.last_verdict,
+                "metrics": f"http://{host}:{port}/metrics" if self.server else None,
+                "updated_at": time.time(),
+                **extra,
+            }
+        )
+
+
+def _verdict_text(verdict: Any) -> str:
+    if not verdict.findings:
+        return verdict.action.name
+    worst = max(verdict.findings, key=lambda f: f.action)
+    return f"{verdict.action.name} ({worst.guard}: {worst.message})"
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": sys.version.split()[0]}
+    for name, dist in (("grpod", "grpod"), ("torch", "torch"), ("transformers", "transformers")):
+        try:
+            versions[name] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "unknown"
+    return versions
+
+
+def _device() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return "cpu"

@@ -1,0 +1,171 @@
+"""Prometheus metrics: a `Metrics` object on a registry given to it (names in the contracts).
+
+Every value a step publishes comes from the same `StepReport` and `Verdict` the flight
+recorder stores, so a scrape matches the store's last step. Under torchrun each rank writes
+prometheus_client's multiprocess files (`PROMETHEUS_MULTIPROC_DIR`) and the serving rank
+exposes them through a `MultiProcessCollector` (see `serving_registry`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PHASES = ("rollout", "score", "grad", "optim", "guards", "record", "checkpoint")
+PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+OUTCOMES = ("applied", "flushed", "skipped")
+ACTIONS = ("PASS", "WARN", "FLUSH", "HALT")
+
+# gauge name -> StepReport field (None in the report -> NaN on the gauge)
+REPORT_GAUGES = {
+    "loss": ("loss", "Step loss (sum of token losses / step valid tokens)"),
+    "reward_mean": ("reward_mean", "Mean reward of the step's completions"),
+    "reward_std": ("reward_std", "Population std of the step's rewards"),
+    "kl": ("kl", "Mean per-token KL to the reference (NaN when off)"),
+    "valid_tokens": ("valid_tokens", "The engine's step-accumulated valid-token count"),
+    "expected_valid_tokens": ("expected_valid_tokens", "Host-side sum of the loss mask"),
+    "grad_norm": ("grad_norm", "Global gradient norm before clipping"),
+    "clip_coefficient": ("clip_coef", "Gradient clip coefficient min(1, max_norm / norm)"),
+    "learning_rate": ("lr", "Learning rate of the step"),
+    "zero_std_group_fraction": ("zero_std_group_fraction", "Fraction of equal-reward groups"),
+    "sampler_mismatch_p90_nats": ("mismatch_p90", "p90 of |sampler - trainer logprob|"),
+    "sampler_mismatch_p99_nats": ("mismatch_p99", "p99 of |sampler - trainer logprob|"),
+    "sampler_mismatch_fraction": (
+        "mismatch_frac_above_0_1",
+        "Fraction of tokens with |sampler - trainer logprob| > 0.1 nats",
+    ),
+}
+
+
+class Metrics:
+    """The daemon's metrics, registered on `registry` (the `grpod_` names of the contracts)."""
+
+    def __init__(self, registry: CollectorRegistry, versions: dict[str, str] | None = None):
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = (), mode: str = "mostrecent"):
+            return Gauge(f"grpod_{name}", doc, labels, registry=registry, multiprocess_mode=mode)
+
+        self.step = gauge("step", "Last finished step", mode="max")
+        self.steps_total = Counter(
+            "grpod_steps_total", "Steps by outcome", ["outcome"], registry=registry
+        )
+        for outcome in OUTCOMES:
+            self.steps_total.labels(outcome)
+        self.report_gauges = {
+            field: gauge(name, doc) for name, (field, doc) in REPORT_GAUGES.items()
+        }
+        self.clip_fraction = gauge("clip_fraction", "PPO clip fraction by side", ("side",))
+        self.correlation = gauge(
+            "gradnorm_vtc_correlation", "Correlation of grad norm with 1/valid tokens (guards)"
+        )
+        self.findings_total = Counter(
+            "grpod_findings_total", "Guard findings", ["guard", "action"], registry=registry
+        )
+        self.incidents_total = Counter(
+            "grpod_incidents_total", "Incidents captured by the flight recorder", registry=registry
+        )
+        self.phase_seconds = Histogram(
+            "grpod_phase_duration_seconds",
+            "Duration of each phase of a step",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=registry,
+        )
+        self.completion_tokens_total = Counter(
+            "grpod_completion_tokens_total", "Completion tokens sampled", registry=registry
+        )
+        self.completions_total = Counter(
+            "grpod_completions_total", "Completions sampled", registry=registry
+        )
+        self.last_step_timestamp = gauge(
+            "last_step_timestamp_seconds", "Unix time the last step finished", mode="max"
+        )
+        self.recorder_queue_depth = gauge("recorder_queue_depth", "Steps waiting to be recorded")
+        self.recorder_blocked_total = Counter(
+            "grpod_recorder_blocked_total",
+            "Steps that waited on a full recorder queue",
+            registry=registry,
+        )
+        self.halted = gauge("halted", "1 once a HALT verdict stopped the run", mode="max")
+        self.verdict_action = gauge("verdict_action", "Last verdict: 0 PASS .. 3 HALT")
+        self.build_info = gauge(
+            "build_info", "grpod build", ("version", "torch", "transformers"), mode="max"
+        )
+        if versions:
+            self.build_info.labels(
+                versions.get("grpod", ""),
+                versions.get("torch", ""),
+                versions.get("transformers", ""),
+            ).set(1)
+        self.halted.set(0)
+        self._seen = {"incidents": 0, "blocked": 0}
+
+    def observe_step(
+        self,
+        report: Any,
+        verdict: Any,
+        outcome: str,
+        phase_seconds: dict[str, float],
+        gradnorm_vtc_correlation: float | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Publish one finished step: `report` a StepReport, `verdict` a guards Verdict."""
+        for field, g in self.report_gauges.items():
+            g.set(_number(getattr(report, field)))
+        self.clip_fraction.labels("low").set(_number(report.clip_fraction_low))
+        self.clip_fraction.labels("high").set(_number(report.clip_fraction_high))
+        self.correlation.set(_number(gradnorm_vtc_correlation))
+        self.steps_total.labels(outcome).inc()
+        for finding in verdict.findings:
+            self.findings_total.labels(finding.guard, _action_name(finding.action)).inc()
+        self.verdict_action.set(int(verdict.action))
+        for phase, seconds in phase_seconds.items():
+            self.phase_seconds.labels(phase).observe(seconds)
+        if not report.skipped_compute:
+            self.completions_total.inc(report.num_samples)
+            self.completion_tokens_total.inc(
+                round(report.completion_length_mean * report.num_samples)
+            )
+        self.step.set(report.step)
+        self.last_step_timestamp.set(time.time() if now is None else now)
+
+    def observe_recorder(self, queue_depth: int, blocked_total: int, incidents_total: int) -> None:
+        """Mirror the flight recorder's gauges and running totals (totals only go up)."""
+        self.recorder_queue_depth.set(queue_depth)
+        for key, total, counter in (
+            ("incidents", incidents_total, self.incidents_total),
+            ("blocked", blocked_total, self.recorder_blocked_total),
+        ):
+            if total > self._seen[key]:
+                counter.inc(total - self._seen[key])
+                self._seen[key] = total
+
+
+def serving_registry(registry: CollectorRegistry) -> CollectorRegistry:
+    """What /metrics serves: `registry`, or every rank's files in multiprocess mode."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return registry
+    from prometheus_client import multiprocess
+
+    merged = CollectorRegistry()
+    multiprocess.MultiProcessCollector(merged)
+    return merged
+
+
+def mark_process_dead() -> None:
+    """Multiprocess mode: drop this process's live gauges when it exits."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(os.getpid())
+
+
+def _number(value: float | int | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _action_name(action: Any) -> str:
+    return getattr(action, "name", str(action))

@@ -1,0 +1,149 @@
+"""The run directory the daemon owns, and the plan of a start (fresh run or resume).
+
+Layout: `config.toml` (the run's effective config, written once), `run.json` (run id),
+`status.json` (live state, rewritten atomically every step), `grpod.sqlite` and `blobs/`
+(forensics), `checkpoints/step-00000010/` (engine checkpoints). `resolve_plan` only reads:
+nothing is created before the config, the run dir and the port have all been accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from daemon.config import DEFAULT_ROOT, GrpodConfig, load_config, validate
+from daemon.errors import ConfigError
+from daemon.example import dump_toml
+
+CONFIG_NAME = "config.toml"
+RUN_NAME = "run.json"
+STATUS_NAME = "status.json"
+CHECKPOINTS = "checkpoints"
+
+
+class RunDir:
+    """Paths and small files of one run directory."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG_NAME
+
+    @property
+    def status_path(self) -> Path:
+        return self.path / STATUS_NAME
+
+    def is_run(self) -> bool:
+        return (self.path / RUN_NAME).is_file()
+
+    def checkpoint_path(self, step: int) -> Path:
+        return self.path / CHECKPOINTS / f"step-{step:08d}"
+
+    def run_id(self) -> str:
+        try:
+            return str(json.loads((self.path / RUN_NAME).read_text())["run_id"])
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"run dir {self.path}: unreadable {RUN_NAME}: {exc}") from None
+
+    def create(self, run_id: str, config: GrpodConfig) -> None:
+        """Write config.toml and run.json of a new run (run.json last: it marks a run dir)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / CHECKPOINTS).mkdir(exist_ok=True)
+        _write_atomic(self.config_path, dump_toml(config))
+        record = {"run_id": run_id, "created_at": time.time(), "config": CONFIG_NAME}
+        _write_atomic(self.path / RUN_NAME, json.dumps(record) + "\n")
+
+    def write_status(self, status: dict[str, Any]) -> None:
+        _write_atomic(self.status_path, json.dumps(status, sort_keys=True) + "\n", fsync=False)
+
+    def read_status(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.status_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `grpod run` will do, decided before anything is written."""
+
+    config: GrpodConfig
+    run_dir: RunDir
+    run_id: str
+    resume: bool
+    config_source: Path | None  # the file SIGHUP re-reads for [guards]
+    link_latest: Path | None  # ./var/grpod/latest for the embedded default location
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def resolve_plan(config_file: str | None, run_dir: str | None, overrides: dict[str, Any]) -> Plan:
+    """Load and check the config, pick the run dir, decide fresh run or resume."""
+    given = load_config(config_file) if config_file is not None else None
+    where = run_dir or (given.daemon.run_dir if given else "")
+    link = None
+    if where:
+        target = RunDir(where)
+    else:
+        run_id = new_run_id()
+        target = RunDir(DEFAULT_ROOT / run_id)
+        link = DEFAULT_ROOT / "latest"
+    if target.is_run():
+        base = load_config(target.config_path)
+        if given is not None:
+            _check_same_run(given, base, target.config_path)
+        config = given or base
+        run_id, resume = target.run_id(), True
+    else:
+        if target.path.exists() and (not target.path.is_dir() or any(target.path.iterdir())):
+            raise ConfigError(f"run dir {target.path}: exists and is not a grpod run directory")
+        config = given or GrpodConfig()
+        run_id = run_id if not where else new_run_id()
+        resume = False
+    daemon = {**config.daemon.model_dump(), "run_dir": str(target.path), **overrides}
+    config = validate({**config.model_dump(), "daemon": daemon}, "command line")
+    source = Path(config_file) if config_file else target.config_path
+    return Plan(config, target, run_id, resume, source, link)
+
+
+def _check_same_run(given: GrpodConfig, base: GrpodConfig, where: Path) -> None:
+    """A resumed run keeps its engine and its store; guards and daemon may change."""
+    if given.engine != base.engine:
+        changed = sorted(
+            key
+            for key, value in given.engine.model_dump().items()
+            if base.engine.model_dump()[key] != value
+        )
+        raise ConfigError(
+            f"engine.{changed[0]}: differs from the run's {where} (a run's engine is fixed; "
+            "use a new --run-dir)"
+        )
+    if given.forensics.store_url != base.forensics.store_url:
+        raise ConfigError(f"forensics.store_url: differs from the run's {where}")
+
+
+def link_latest(link: Path, target: Path) -> None:
+    """Point `link` (./var/grpod/latest) at `target`, replacing it atomically."""
+    tmp = link.with_name(f".{link.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target.name if target.parent == link.parent else target.resolve())
+    os.replace(tmp, link)
+
+
+def _write_atomic(path: Path, text: str, fsync: bool = True) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        if fsync:
+            fh.flush()
+            os.fsync(fh.fileno())
+    os.replace(tmp, path)
