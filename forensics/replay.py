@@ -124,16 +124,12 @@ def _plan(
             checkpoint = session.get(Checkpoint, incident.checkpoint_id)
         else:
             target = store.latest_step(session, step)
-            checkpoint = session.scalars(
-                select(Checkpoint)
-                .where(
-                    Checkpoint.run_id.in_(runs),
-                    Checkpoint.step <= target.step,
-                    Checkpoint.deleted.is_(False),
-                )
-                .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
-                .limit(1)
-            ).first()
+            candidates = [  # the daemon may have removed old checkpoint dirs itself
+                c
+                for c in store.checkpoints(session)
+                if c.step <= target.step and store.checkpoint_path(c).is_dir()
+            ]
+            checkpoint = candidates[-1] if candidates else None
             if checkpoint is None:
                 raise ForensicsError(f"step {target.step}: no checkpoint at or before it")
         if checkpoint.deleted or not store.checkpoint_path(checkpoint).is_dir():

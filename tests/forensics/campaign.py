@@ -1,0 +1,123 @@
+"""A real campaign through the public pieces: Engine + FlightRecorder + checkpoints.
+
+The daemon drives the recorder through the same calls (start_run, note_checkpoint, record,
+close); the verdict here is a stand-in for the guards' (a contract verdict dict).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import Engine, EngineConfig, StepReport
+from forensics import FlightRecorder, ForensicsConfig
+
+TINY = dict(
+    task="arith",
+    prompts_per_step=4,
+    group_size=4,
+    micro_batch_rows=4,
+    seq_len=16,
+    max_new_tokens=2,
+    sequence_chunks=2,
+    threads=1,
+)
+
+
+@dataclass
+class Campaign:
+    run_dir: Path
+    config: EngineConfig
+    reports: dict[int, StepReport] = field(default_factory=dict)
+    outcomes: dict[int, str] = field(default_factory=dict)
+    checkpoints: list[int] = field(default_factory=list)
+    incidents_total: int = 0
+    blocked_total: int = 0
+
+
+def verdict_for(report: StepReport) -> dict[str, Any]:
+    """FLUSH a step whose loss or grad norm is not finite, WARN on a token-count mismatch."""
+    findings = []
+    if not (math.isfinite(report.loss) and math.isfinite(report.grad_norm)):
+        findings.append(
+            {
+                "guard": "nonfinite",
+                "action": "FLUSH",
+                "message": f"step {report.step}: loss {report.loss}, grad norm {report.grad_norm}",
+                "evidence": {"grad_norm": report.grad_norm},
+            }
+        )
+    if report.valid_tokens != report.expected_valid_tokens:
+        findings.append(
+            {
+                "guard": "accounting",
+                "action": "WARN",
+                "message": "valid tokens differ from the loss mask",
+                "evidence": {"valid_tokens": float(report.valid_tokens)},
+            }
+        )
+    order = ["PASS", "WARN", "FLUSH", "HALT"]
+    action = max((f["action"] for f in findings), key=order.index, default="PASS")
+    return {"action": action, "findings": findings}
+
+
+def run_campaign(
+    run_dir: Path,
+    steps: int,
+    *,
+    checkpoint_every: int = 5,
+    forensics: ForensicsConfig | None = None,
+    skip_steps: tuple[int, ...] = (),
+    **engine_overrides: Any,
+) -> Campaign:
+    """Run `steps` steps, checkpointing at step 0 and every `checkpoint_every`, recording all."""
+    torch.set_num_threads(1)
+    config = EngineConfig.model_validate({**TINY, **engine_overrides})
+    forensics = forensics or ForensicsConfig()
+    engine = Engine(config)
+    recorder = FlightRecorder(run_dir, forensics)
+    recorder.start_run(
+        f"run-{run_dir.name}",
+        {
+            "engine": config.model_dump(mode="json"),
+            "guards": {},
+            "forensics": forensics.model_dump(mode="json"),
+            "daemon": {},
+        },
+        {"torch": torch.__version__},
+        "cpu",
+    )
+    campaign = Campaign(run_dir, config)
+    try:
+        while engine.step < steps:
+            if engine.step % checkpoint_every == 0:
+                path = run_dir / "checkpoints" / f"step-{engine.step:08d}"
+                engine.save_checkpoint(path, extra={"guards": {}})
+                recorder.note_checkpoint(engine.step, path)
+                campaign.checkpoints.append(engine.step)
+            batch = engine.rollout()
+            if batch.step in skip_steps:
+                report, verdict, outcome = engine.skip(batch), {"action": "FLUSH"}, "skipped"
+            else:
+                if batch.num_micros > 1:
+                    batch = batch.reorder(list(reversed(range(batch.num_micros))))
+                report = engine.accumulate(batch)
+                verdict = verdict_for(report)
+                if verdict["action"] in ("FLUSH", "HALT"):
+                    outcome = "flushed"
+                    engine.flush()
+                else:
+                    outcome = "applied"
+                    engine.apply()
+            recorder.record(batch, report, verdict, outcome)
+            campaign.reports[report.step] = report
+            campaign.outcomes[report.step] = outcome
+    finally:
+        recorder.close()
+    campaign.incidents_total = recorder.incidents_total
+    campaign.blocked_total = recorder.blocked_total
+    return campaign

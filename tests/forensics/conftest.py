@@ -1,0 +1,50 @@
+"""Fixtures: a store URL per backend (SQLite file, PostgreSQL schema) and a recorded campaign."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from tests.forensics.campaign import Campaign, run_campaign
+
+PG_URL = os.environ.get("GRPOD_TEST_PG_URL", "")
+FAULT_STEP = 7
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def store_url(request: pytest.FixtureRequest) -> str:
+    """'' (the run dir's SQLite file) or a PostgreSQL URL whose search_path is a fresh schema."""
+    if request.param == "sqlite":
+        yield ""
+        return
+    if not PG_URL:
+        pytest.skip("GRPOD_TEST_PG_URL is not set (make test starts a server and sets it)")
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    sep = "&" if "?" in PG_URL else "?"
+    yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
+    with admin.begin() as conn:
+        conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+    admin.dispose()
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Campaign:
+    """13 steps, checkpoints at 0, 5, 10, a NaN loss injected at step 7 (flushed: an incident)."""
+    run_dir = tmp_path_factory.mktemp("recorded") / "run"
+    return run_campaign(run_dir, 13, checkpoint_every=5, fault_nan_loss_steps=[FAULT_STEP])
+
+
+@pytest.fixture
+def run_copy(recorded: Campaign, tmp_path: Path) -> Path:
+    """A private copy of the recorded run dir, for tests that damage it."""
+    copy = tmp_path / "run"
+    shutil.copytree(recorded.run_dir, copy)
+    return copy

@@ -1,0 +1,51 @@
+"""Content-addressed blobs: canonical digest, atomic write, verified read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from forensics import BlobStore, ForensicsError, canonical_digest
+
+TENSORS = {"a": torch.arange(6).reshape(2, 3), "b": torch.tensor([True, False])}
+META = {"step": "3", "format": "x"}
+
+
+def test_digest_covers_content_not_file_bytes() -> None:
+    base = canonical_digest(TENSORS, META)
+    assert canonical_digest(dict(reversed(TENSORS.items())), dict(reversed(META.items()))) == base
+    assert canonical_digest({**TENSORS, "a": TENSORS["a"].to(torch.int32)}, META) != base
+    assert canonical_digest({**TENSORS, "a": TENSORS["a"].reshape(3, 2)}, META) != base
+    assert canonical_digest({"c": TENSORS["a"], "b": TENSORS["b"]}, META) != base
+    assert canonical_digest(TENSORS, {**META, "step": "4"}) != base
+    assert canonical_digest({**TENSORS, "a": TENSORS["a"] + 1}, META) != base
+
+
+def test_write_then_read_verifies(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path)
+    digest, size = blobs.write(TENSORS, META)
+    path = tmp_path / "blobs" / "sha256" / digest
+    assert path.stat().st_size == size
+    assert blobs.write(TENSORS, META) == (digest, size)  # idempotent
+    tensors, metadata = blobs.read(digest)
+    assert metadata == META and all(torch.equal(tensors[n], TENSORS[n]) for n in TENSORS)
+    assert [p.name for p in path.parent.iterdir()] == [digest]  # no temp file left
+
+
+def test_flipped_byte_is_a_digest_error(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path)
+    digest, size = blobs.write(TENSORS, META)
+    path = blobs.path(digest)
+    data = bytearray(path.read_bytes())
+    data[size - 1] ^= 0x01  # the last tensor byte
+    path.write_bytes(bytes(data))
+    with pytest.raises(ForensicsError, match=f"blob {digest}: digest mismatch"):
+        blobs.read(digest)
+    path.write_bytes(b"\x07" * 8 + path.read_bytes()[8:])  # a damaged header
+    with pytest.raises(ForensicsError, match="digest check failed"):
+        blobs.read(digest)
+    path.unlink()
+    with pytest.raises(ForensicsError, match="missing file"):
+        blobs.read(digest)

@@ -1,0 +1,54 @@
+"""The flight recorder: bounded queue that blocks (counted) and never drops; failures surface."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy import delete, func, select
+
+from forensics import FlightRecorder, ForensicsConfig, ForensicsError, Store
+from forensics.models import Run, Step
+from tests.forensics.test_store import PASS, tiny_batch, tiny_report
+
+
+def test_full_queue_blocks_and_counts_never_drops(tmp_path: Path) -> None:
+    recorder = FlightRecorder(tmp_path, ForensicsConfig(queue_size=1))
+    recorder.start_run("r", {"engine": {}}, {}, "cpu")
+    depths = []
+    for step in range(12):
+        recorder.record(tiny_batch(step), tiny_report(step), PASS, "applied")
+        depths.append(recorder.queue_depth)
+    recorder.close()
+    assert max(depths) <= 1
+    assert recorder.blocked_total > 0  # the writer (fsync per step) is slower than the loop
+    assert recorder.recorded_total == 12
+    store = Store(tmp_path, create=False)
+    with store.session() as session:
+        assert session.scalar(select(func.count()).select_from(Step)) == 12
+    store.close()
+
+
+def test_bad_calls_are_refused(tmp_path: Path) -> None:
+    recorder = FlightRecorder(tmp_path)
+    with pytest.raises(ForensicsError, match="before start_run"):
+        recorder.record(tiny_batch(0), tiny_report(0), PASS, "applied")
+    recorder.start_run("r", {"engine": {}}, {}, "cpu")
+    with pytest.raises(ForensicsError, match="outcome 'done'"):
+        recorder.record(tiny_batch(0), tiny_report(0), PASS, "done")
+    with pytest.raises(ForensicsError, match="verdict action 'MAYBE'"):
+        recorder.record(tiny_batch(0), tiny_report(0), {"action": "MAYBE"}, "applied")
+    recorder.close()
+
+
+def test_writer_failure_surfaces_and_never_hangs_the_trainer(tmp_path: Path) -> None:
+    recorder = FlightRecorder(tmp_path, ForensicsConfig(queue_size=1))
+    recorder.start_run("r", {"engine": {}}, {}, "cpu")
+    with recorder.store.session() as session:  # the step rows' run vanishes: inserts fail
+        session.execute(delete(Run))
+    with pytest.raises(ForensicsError, match="flight recorder failed"):
+        for step in range(20):
+            recorder.record(tiny_batch(step), tiny_report(step), PASS, "applied")
+        recorder.drain()
+    with pytest.raises(ForensicsError, match="flight recorder failed"):
+        recorder.close()

@@ -1,0 +1,144 @@
+"""Replay: restore the checkpoint, re-apply recorded steps as decided, compare bit-exactly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select, update
+
+from forensics import ForensicsError, Store, list_incidents, replay
+from forensics.models import Step
+from forensics.replay import as_run, bit_equal
+from tests.forensics.campaign import Campaign, run_campaign
+from tests.forensics.conftest import FAULT_STEP
+
+GRPOD = str(Path(sys.executable).with_name("grpod"))
+
+
+def test_fault_opens_an_incident_whose_replay_reproduces(recorded: Campaign) -> None:
+    assert recorded.outcomes[FAULT_STEP] == "flushed" and recorded.incidents_total == 1
+    (incident,) = list_incidents(recorded.run_dir)
+    assert (incident["step"], incident["action"], incident["checkpoint_step"]) == (7, "FLUSH", 5)
+    result = replay(recorded.run_dir, incident_id=incident["id"], trace=True)
+    assert result.reproduced and result.classification == "persistent"
+    assert (result.step, result.checkpoint_step, result.steps_replayed) == (7, 5, 3)
+    assert result.recorded["loss"] == result.replayed["loss"] == "nan"
+    assert result.replayed["grad_norm"] == recorded.reports[FAULT_STEP].grad_norm
+    assert result.trace and all(row["equal"] for row in result.trace)
+    report = recorded.reports[FAULT_STEP]
+    assert [(r["micro"], r["chunk"]) for r in result.trace] == [
+        (c.micro, c.chunk) for c in report.chunk_trace
+    ]
+
+
+def test_healthy_step_reproduces(recorded: Campaign) -> None:
+    result = replay(recorded.run_dir, step=11)
+    assert result.reproduced and result.classification == "healthy"
+    assert result.checkpoint_step == 10 and result.diverged_at is None
+    report = recorded.reports[11]
+    assert result.replayed == {
+        "valid_tokens": report.valid_tokens,
+        "loss": report.loss,
+        "grad_norm": report.grad_norm,
+    }
+
+
+def test_ten_steps_past_a_checkpoint_are_bit_exact(tmp_path: Path) -> None:
+    run = run_campaign(tmp_path / "run", 11, checkpoint_every=100, skip_steps=(4,))
+    assert run.checkpoints == [0] and run.outcomes[4] == "skipped"
+    result = replay(run.run_dir, step=10)
+    assert result.reproduced and result.steps_replayed == 11
+    for name in ("valid_tokens", "loss", "grad_norm"):
+        assert bit_equal(result.replayed[name], getattr(run.reports[10], name))
+    # A record that differs by one ulp at step 6 is found, named, and the target is transient.
+    store = Store(run.run_dir)
+    with store.session() as session:
+        row = session.scalars(select(Step).where(Step.step == 6)).one()
+        report = json.loads(row.report_json)
+        report["grad_norm"] = math.nextafter(report["grad_norm"], math.inf)
+        session.execute(
+            update(Step).where(Step.id == row.id).values(report_json=json.dumps(report))
+        )
+    store.close()
+    result = replay(run.run_dir, step=10)
+    assert not result.reproduced and result.classification == "transient"
+    assert (result.diverged_at, result.field) == (6, "grad_norm")
+
+
+def _digest_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_flipped_blob_byte_is_refused_and_nothing_is_modified(run_copy: Path) -> None:
+    store = Store(run_copy)
+    with store.session() as session:
+        digest = session.scalars(select(Step.batch_digest).where(Step.step == 6)).one()
+    store.close()
+    blob = run_copy / "blobs" / "sha256" / digest
+    data = bytearray(blob.read_bytes())
+    data[-3] ^= 0x10
+    blob.write_bytes(bytes(data))
+    before = _digest_of(run_copy / "grpod.sqlite")
+    with pytest.raises(ForensicsError, match=f"blob {digest}: digest mismatch"):
+        replay(run_copy, incident_id=1)
+    assert _digest_of(run_copy / "grpod.sqlite") == before
+
+
+def test_bad_input_is_one_clear_error(run_copy: Path) -> None:
+    with pytest.raises(ForensicsError, match="step 99: not recorded"):
+        replay(run_copy, step=99)
+    with pytest.raises(ForensicsError, match="incident 42: no such incident"):
+        replay(run_copy, incident_id=42)
+    with pytest.raises(ForensicsError, match="exactly one"):
+        replay(run_copy)
+    shutil.rmtree(run_copy / "checkpoints" / "step-00000005")
+    with pytest.raises(ForensicsError, match="checkpoint step 5: missing directory"):
+        replay(run_copy, incident_id=1)
+    shutil.rmtree(run_copy / "checkpoints" / "step-00000000")
+    with pytest.raises(ForensicsError, match="step 3: no checkpoint at or before it"):
+        replay(run_copy, step=3)
+
+
+def test_as_run_accepts_the_batch_as_rolled_out_or_as_run(recorded: Campaign) -> None:
+    from forensics import BlobStore
+
+    store = Store(recorded.run_dir, create=False)
+    with store.session() as session:
+        row = session.scalars(select(Step).where(Step.step == 3)).one()
+    store.close()
+    from engine import TransportBatch
+
+    as_recorded = TransportBatch.from_tensors(*BlobStore(recorded.run_dir).read(row.batch_digest))
+    order = as_recorded.meta["micro_order"]
+    assert order == [1, 0]  # the campaign reorders before running
+    original = as_recorded.reorder([1, 0])  # back to the order it was rolled out in
+    assert original.meta["micro_order"] == [0, 1]
+    for batch in (as_recorded, original):
+        rebuilt = as_run(batch, order)
+        assert rebuilt.input_ids.equal(as_recorded.input_ids)
+
+
+def test_cli_replay_json_and_bad_input_exit_codes(recorded: Campaign) -> None:
+    run_dir = str(recorded.run_dir)
+    out = subprocess.run(
+        [GRPOD, "replay", "1", "--run-dir", run_dir, "--json"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert {"reproduced", "step", "recorded", "replayed", "classification"} <= set(result)
+    assert result["reproduced"] is True and result["step"] == FAULT_STEP
+    assert "\r" not in out.stderr  # no progress bar without a TTY
+    bad = subprocess.run(
+        [GRPOD, "replay", "--step", "99", "--run-dir", run_dir], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [
+        f"grpod replay: error: step 99: not recorded in {recorded.run_dir.resolve()}"
+    ]

@@ -1,0 +1,189 @@
+"""The store on SQLite and PostgreSQL: migrations, schema checks, recorded rows."""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import select, text
+
+from engine import StepReport, TransportBatch
+from forensics import FlightRecorder, ForensicsConfig, ForensicsError, Store
+from forensics.models import Base, Blob, Checkpoint, Incident, Run, Step
+
+
+def tiny_batch(step: int) -> TransportBatch:
+    shape = (1, 2, 8)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    mask[..., 4:] = True
+    return TransportBatch(
+        input_ids=torch.arange(16).reshape(shape) + step,
+        position_ids=torch.arange(8).repeat(1, 2, 1),
+        loss_mask=mask,
+        advantages=torch.full(shape, 0.5),
+        sampler_logprobs=None,
+        sample_ids=torch.zeros(shape, dtype=torch.int32),
+        group_ids=torch.zeros(shape, dtype=torch.int32),
+        rewards=torch.tensor([1.0, 0.0]),
+        sample_group_ids=torch.zeros(2, dtype=torch.int32),
+        completion_lengths=torch.tensor([4, 4], dtype=torch.int32),
+        step=step,
+        config_digest="test",
+    )
+
+
+def tiny_report(step: int, loss: float = 0.25) -> StepReport:
+    return StepReport(
+        step=step,
+        valid_tokens=8,
+        expected_valid_tokens=8,
+        loss=loss,
+        micro_losses=[loss],
+        grad_norm=1.5,
+        clip_coef=0.66,
+        lr=1e-3,
+        reward_mean=0.5,
+        reward_std=0.5,
+        zero_std_group_fraction=0.0,
+        advantage_abs_max=0.5,
+        kl=None,
+        clip_fraction_low=0.0,
+        clip_fraction_high=0.0,
+        mismatch_mean=None,
+        mismatch_p90=None,
+        mismatch_p99=None,
+        mismatch_max=None,
+        mismatch_frac_above_0_1=None,
+        completion_length_mean=4.0,
+        completion_length_max=4,
+        num_micros=1,
+        num_samples=2,
+        micro_order=[0],
+    )
+
+
+def record_steps(run_dir: Path, store_url: str, verdicts: list[dict], **config) -> FlightRecorder:
+    recorder = FlightRecorder(run_dir, ForensicsConfig(store_url=store_url, **config))
+    recorder.start_run("r1", {"engine": {}, "guards": {}}, {"torch": torch.__version__}, "cpu")
+    recorder.note_checkpoint(0, run_dir / "checkpoints" / "step-00000000")
+    for step, verdict in enumerate(verdicts):
+        loss = math.nan if verdict["action"] == "FLUSH" else 0.25
+        outcome = "flushed" if verdict["action"] == "FLUSH" else "applied"
+        recorder.record(tiny_batch(step), tiny_report(step, loss), verdict, outcome)
+    recorder.close()
+    return recorder
+
+
+PASS = {"action": "PASS", "findings": []}
+WARN = {"action": "WARN", "findings": [{"guard": "g", "action": "WARN", "message": "m"}]}
+FLUSH = {"action": "FLUSH", "findings": [{"guard": "nan", "action": "FLUSH", "message": "x"}]}
+
+
+def test_upgrade_is_idempotent_and_matches_the_models(tmp_path: Path, store_url: str) -> None:
+    store = Store(tmp_path, store_url)
+    assert store.revision() is None
+    head = store.upgrade()
+    assert store.upgrade() == head == store.revision()
+    store.check_schema()
+    with store.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == [], f"migrations and models disagree: {diff}"
+    store.close()
+
+
+def test_every_report_scalar_has_a_column() -> None:
+    assert set(StepReport.SCALARS) <= set(Step.__table__.columns.keys())
+
+
+def test_recorded_rows_round_trip(tmp_path: Path, store_url: str) -> None:
+    recorder = record_steps(tmp_path, store_url, [PASS, WARN, FLUSH])
+    assert (recorder.recorded_total, recorder.incidents_total) == (3, 2)
+    store = Store(tmp_path, store_url, create=False)
+    with store.session() as session:
+        steps = session.scalars(select(Step).order_by(Step.step)).all()
+        assert [s.outcome for s in steps] == ["applied", "applied", "flushed"]
+        assert [s.verdict_action for s in steps] == ["PASS", "WARN", "FLUSH"]
+        assert steps[0].loss == 0.25 and steps[0].kl is None
+        assert math.isnan(StepReport.from_dict(json.loads(steps[2].report_json)).loss)
+        assert steps[2].loss is None or math.isnan(steps[2].loss)  # SQLite keeps NaN as NULL
+        assert {s.batch_digest for s in steps} == set(session.scalars(select(Blob.sha256)))
+        incidents = store.incidents(session)
+        assert [(i.step, i.action) for i in incidents] == [(1, "WARN"), (2, "FLUSH")]
+        assert json.loads(incidents[1].findings_json)[0]["guard"] == "nan"
+        checkpoint = session.scalars(select(Checkpoint)).one()
+        assert checkpoint.pinned and incidents[0].checkpoint_id == checkpoint.id
+        assert checkpoint.path == "checkpoints/step-00000000"  # relative: the run dir can move
+        run = session.get(Run, "r1")
+        assert run.ended_at is not None and json.loads(run.config_json)["guards"] == {}
+    store.close()
+
+
+def test_incident_action_threshold(tmp_path: Path, store_url: str) -> None:
+    recorder = record_steps(tmp_path, store_url, [PASS, WARN, FLUSH], incident_action="FLUSH")
+    assert recorder.incidents_total == 1
+
+
+def test_newer_schema_is_refused_and_left_alone(tmp_path: Path, store_url: str) -> None:
+    store = Store(tmp_path, store_url)
+    store.upgrade()
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+    for action in (store.check_schema, store.upgrade):
+        with pytest.raises(ForensicsError, match="newer than this grpod"):
+            action()
+    assert store.revision() == "9999"
+    with pytest.raises(ForensicsError, match="newer"):
+        FlightRecorder(tmp_path, ForensicsConfig(store_url=store_url))
+    store.close()
+
+
+def test_empty_store_is_refused_by_readers(tmp_path: Path, store_url: str) -> None:
+    store = Store(tmp_path, store_url)
+    with pytest.raises(ForensicsError, match="grpod db upgrade"):
+        store.check_schema()
+    store.close()
+
+
+def test_missing_sqlite_store_is_not_created(tmp_path: Path) -> None:
+    with pytest.raises(ForensicsError, match="no such file"):
+        Store(tmp_path / "nowhere", create=False)
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_sqlite_settings(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    store.upgrade()
+    with store.engine.connect() as conn:
+        assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+        assert conn.execute(text("PRAGMA foreign_keys")).scalar() == 1
+        assert conn.execute(text("PRAGMA busy_timeout")).scalar() == 10_000
+    store.close()
+    assert (tmp_path / "grpod.sqlite").is_file()
+    with sqlite3.connect(tmp_path / "grpod.sqlite") as conn:  # foreign keys are enforced
+        conn.execute("PRAGMA foreign_keys=ON")
+        with pytest.raises(sqlite3.IntegrityError):
+            conn.execute(
+                "INSERT INTO checkpoints (run_id, step, path, pinned, deleted, created_at) "
+                "VALUES ('no-such-run', 0, 'x', 0, 0, '2026-01-01')"
+            )
+
+
+def test_shared_store_scopes_runs_by_run_dir(tmp_path: Path, store_url: str) -> None:
+    if not store_url:
+        pytest.skip("a SQLite file belongs to one run dir")
+    record_steps(tmp_path / "a", store_url, [WARN])
+    recorder = FlightRecorder(tmp_path / "b", ForensicsConfig(store_url=store_url))
+    recorder.start_run("r2", {"engine": {}}, {}, "cpu")
+    recorder.close()
+    store = Store(tmp_path / "b", store_url)
+    with store.session() as session:
+        assert store.run_ids(session) == ["r2"]
+        assert store.incidents(session) == []
+        assert len(session.scalars(select(Incident)).all()) == 1
+    store.close()
