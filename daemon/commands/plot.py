@@ -114,7 +114,8 @@ def draw_learning(series: RunSeries, reward_ax: Any, loss_ax: Any) -> None:
     reward_ax.set_ylabel("reward")
     reward_ax.legend(loc="best", fontsize=8)
     loss_ax.plot(series.steps, series.loss, color="#d62728", lw=1.2, label="loss")
-    _mark_flushed(series, loss_ax, series.loss)
+    for ax in (reward_ax, loss_ax):
+        _shade_flushed(series, ax)
     loss_ax.set_ylabel("loss")
     loss_ax.set_xlabel("step")
     loss_ax.legend(loc="best", fontsize=8)
@@ -140,7 +141,8 @@ def draw_outcomes(series: RunSeries, ax: Any) -> None:
     ax.set_yticks(list(OUTCOME_LEVELS.values()), list(OUTCOME_LEVELS))
     ax.set_ylim(-0.5, 3.6)
     ax.set_xlabel("step")
-    ax.set_title(f"outcomes ({len(series.incidents)} incidents)", fontsize=10)
+    count = len(series.incidents)
+    ax.set_title(f"outcomes ({count} incident{'' if count == 1 else 's'})", fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
 
 
@@ -156,9 +158,12 @@ def draw_accounting(series: RunSeries, ax: Any) -> None:
     ]
     if bad:
         ax.scatter(*zip(*bad), color="#d62728", s=20, zorder=3, label=f"differ ({len(bad)})")
+        title = f"token accounting: engine differs from the loss mask on {len(bad)} steps"
+    else:
+        title = f"token accounting: engine = loss mask on all {len(series.steps)} steps"
     ax.set_xlabel("step")
     ax.set_ylabel("valid tokens")
-    ax.set_title("token accounting", fontsize=10)
+    ax.set_title(title, fontsize=10)
     ax.legend(loc="best", fontsize=8)
 
 
@@ -183,11 +188,12 @@ def draw_gradnorm(series: RunSeries, ax: Any) -> None:
         ax.legend(loc="best", fontsize=8)
 
 
-def _mark_flushed(series: RunSeries, ax: Any, values: list[float]) -> None:
-    xs = [(s, v) for s, v, o in zip(series.steps, values, series.outcomes) if o == "flushed"]
-    xs = [(s, v) for s, v in xs if math.isfinite(v)]
-    if xs:
-        ax.scatter(*zip(*xs), color=OUTCOME_COLORS["flushed"], s=16, zorder=3, label="flushed")
+def _shade_flushed(series: RunSeries, ax: Any) -> None:
+    """A band over each flushed step (its loss may be NaN: a gap in the curve)."""
+    flushed = [s for s, o in zip(series.steps, series.outcomes) if o == "flushed"]
+    for n, step in enumerate(flushed):
+        ax.axvspan(step - 0.5, step + 0.5, color=OUTCOME_COLORS["flushed"], alpha=0.25, lw=0,
+                   label="flushed" if n == 0 else None)  # fmt: skip
 
 
 def pearson(xs: list[float], ys: list[float]) -> float | None:

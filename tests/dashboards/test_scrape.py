@@ -1,0 +1,92 @@
+"""A real scrape of a running `grpod run`: promtool accepts it, it holds every metric the
+dashboard and the alerts read, and every metric it exports has a panel."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+from tests.dashboards.conftest import FAULT_STEP, MAX_STEPS, DaemonRun
+from tests.dashboards.helpers import (
+    CONTRACT,
+    SYNTHETIC,
+    family,
+    load_alert_rules,
+    load_dashboard,
+    metric_names,
+    panel_exprs,
+    promtool,
+)
+
+
+def _declared(scrape: str) -> dict[str, str]:
+    """family name -> type, from the scrape's `# TYPE` lines."""
+    return dict(re.findall(r"^# TYPE (\S+) (\S+)$", scrape, flags=re.M))
+
+
+def _sample_names(scrape: str) -> set[str]:
+    return {
+        re.split(r"[{ ]", line, maxsplit=1)[0]
+        for line in scrape.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def _value(scrape: str, sample: str) -> float:
+    """The value of one exact sample line (`name` or `name{labels}`)."""
+    for line in scrape.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no sample {sample} in the scrape")
+
+
+def test_daemon_ran_to_the_end(daemon_run: DaemonRun) -> None:
+    assert daemon_run.exit_code == 0, daemon_run.log[-3000:]
+    assert _value(daemon_run.scrape, "grpod_step") == MAX_STEPS - 1
+    outcomes = {
+        o: _value(daemon_run.scrape, f'grpod_steps_total{{outcome="{o}"}}')
+        for o in ("applied", "flushed", "skipped")
+    }
+    assert sum(outcomes.values()) == MAX_STEPS
+    assert outcomes["flushed"] >= 1  # the NaN-loss step at FAULT_STEP
+    assert _value(daemon_run.scrape, "grpod_incidents_total") >= 1, f"fault at {FAULT_STEP}"
+
+
+def test_promtool_check_metrics_on_the_real_scrape(daemon_run: DaemonRun) -> None:
+    result = subprocess.run(
+        [promtool(), "check", "metrics"],
+        input=daemon_run.scrape,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "" and result.stderr.strip() == ""  # no lint findings
+
+
+def test_scrape_exports_the_contract(daemon_run: DaemonRun) -> None:
+    declared = _declared(daemon_run.scrape)
+    for name, kind in CONTRACT.items():
+        assert declared.get(name) == kind, f"{name}: {declared.get(name)} (want {kind})"
+    extra = {n for n in declared if n.startswith("grpod_") and not n.endswith("_created")} - set(
+        CONTRACT
+    )
+    assert not extra, f"exported but not in the contract: {sorted(extra)}"
+
+
+def test_every_metric_used_by_panels_and_alerts_is_in_the_scrape(daemon_run: DaemonRun) -> None:
+    samples = _sample_names(daemon_run.scrape)
+    used = {n for _, expr in panel_exprs(load_dashboard()) for n in metric_names(expr)}
+    used |= {n for rule in load_alert_rules() for n in metric_names(rule["expr"])}
+    missing = sorted(n for n in used - SYNTHETIC if n not in samples)
+    assert not missing, f"read by panels/alerts, absent from a real scrape: {missing}"
+
+
+def test_every_exported_metric_has_a_panel(daemon_run: DaemonRun) -> None:
+    shown = {family(n) for _, expr in panel_exprs(load_dashboard()) for n in metric_names(expr)}
+    exported = {
+        family(n)
+        for n in _declared(daemon_run.scrape)
+        if n.startswith("grpod_") and not n.endswith("_created")
+    }
+    assert exported - shown == set(), "exported metrics without a panel"
