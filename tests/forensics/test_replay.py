@@ -142,3 +142,21 @@ def test_cli_replay_json_and_bad_input_exit_codes(recorded: Campaign) -> None:
     assert bad.stderr.strip().splitlines() == [
         f"grpod replay: error: step 99: not recorded in {recorded.run_dir.resolve()}"
     ]
+
+
+def test_record_and_replay_through_a_shared_store(tmp_path: Path, store_url: str) -> None:
+    if not store_url:
+        pytest.skip("the SQLite store is covered by the recorded campaign")
+    from forensics import ForensicsConfig
+
+    run = run_campaign(
+        tmp_path / "run",
+        5,
+        checkpoint_every=100,
+        forensics=ForensicsConfig(store_url=store_url),
+        fault_nan_loss_steps=[3],
+    )
+    assert run.incidents_total == 1 and not (run.run_dir / "grpod.sqlite").exists()
+    (run.run_dir / "config.toml").write_text(f'[forensics]\nstore_url = "{store_url}"\n')
+    result = replay(run.run_dir, incident_id=list_incidents(run.run_dir)[0]["id"])
+    assert result.reproduced and result.step == 3 and result.steps_replayed == 4

@@ -1,0 +1,77 @@
+"""Retention (`gc` within a budget), fsck, and the incidents / db commands of the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from daemon.cli import main
+from engine import TransportBatch
+from forensics import ForensicsError, fsck, gc, replay
+from tests.forensics.conftest import FAULT_STEP
+
+
+def blob_count(run_dir: Path) -> int:
+    return len(list((run_dir / "blobs" / "sha256").iterdir()))
+
+
+def test_gc_keeps_incident_pins_and_the_newest_checkpoint(run_copy: Path) -> None:
+    assert blob_count(run_copy) == 13
+    roomy = gc(run_copy, budget_bytes=1 << 40)
+    assert (roomy.blobs_deleted, roomy.checkpoints_deleted) == (0, [])
+    planned = gc(run_copy, budget_bytes=0, dry_run=True)
+    assert blob_count(run_copy) == 13 and (run_copy / "checkpoints/step-00000000").is_dir()
+    done = gc(run_copy, budget_bytes=0)
+    assert (done.blobs_deleted, done.checkpoints_deleted) == (planned.blobs_deleted, [0])
+    assert done.blobs_deleted == 7  # steps 0-4, 8, 9: outside retention, not pinned
+    assert not (run_copy / "checkpoints/step-00000000").exists()
+    assert (run_copy / "checkpoints/step-00000005").is_dir()  # pinned by the incident
+    assert blob_count(run_copy) == 6 and done.kept_bytes > 0
+    assert fsck(run_copy).ok
+    assert replay(run_copy, incident_id=1).reproduced
+    assert replay(run_copy, step=12).reproduced
+    with pytest.raises(ForensicsError, match="step 8: its batch blob was pruned"):
+        replay(run_copy, step=9)
+
+
+def test_fsck_names_a_damaged_blob(run_copy: Path, capsys: pytest.CaptureFixture) -> None:
+    blob = sorted((run_copy / "blobs" / "sha256").iterdir())[0]
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    report = fsck(run_copy)
+    assert [p.split(":")[0] for p in report.problems] == [f"blob {blob.name}"]
+    assert main(["fsck", "--run-dir", str(run_copy)]) == 1
+    assert "digest mismatch" in capsys.readouterr().out
+
+
+def test_incidents_commands(run_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["incidents", "list", "--run-dir", str(run_copy), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["id"], row["step"], row["guards"]) == (1, FAULT_STEP, ["nonfinite"])
+    assert main(["incidents", "show", "1", "--run-dir", str(run_copy)]) == 0
+    assert "nonfinite" in capsys.readouterr().out
+    out = tmp_path / "handover"
+    assert main(["incidents", "export", "1", str(out), "--run-dir", str(run_copy)]) == 0
+    batch = TransportBatch.load(out / "batch.safetensors")
+    exported = json.loads((out / "incident.json").read_text())
+    assert batch.step == FAULT_STEP == exported["report"]["step"]
+    assert exported["findings"][0]["guard"] == "nonfinite" and "engine" in exported["config"]
+    assert main(["incidents", "export", "1", str(out), "--run-dir", str(run_copy)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["incidents", "show", "9", "--run-dir", str(run_copy)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"grpod incidents: error: incident 9: no such incident in {run_copy.resolve()}"
+    )
+
+
+def test_db_upgrade_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run_dir = tmp_path / "fresh"
+    assert main(["db", "upgrade", "--run-dir", str(run_dir)]) == 0
+    assert "revision 0001" in capsys.readouterr().out
+    assert main(["gc", "--run-dir", str(run_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["within_budget"] is True
+    assert main(["fsck", "--run-dir", str(tmp_path / "missing")]) == 2
+    assert not (tmp_path / "missing").exists()
