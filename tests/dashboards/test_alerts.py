@@ -6,6 +6,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.dashboards.helpers import (
@@ -135,3 +136,18 @@ def test_runbook_commands_parse_with_the_real_cli() -> None:
         except SystemExit:
             raise AssertionError(f"runbook command does not parse: grpod {command}") from None
         assert callable(args.handler), command
+
+
+def test_missing_promtool_fails_under_ci_and_skips_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.dashboards import helpers
+
+    monkeypatch.setattr(helpers, "ROOT", tmp_path)  # no .tools/promtool here
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="promtool not found"):
+        helpers.promtool()
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception):
+        helpers.promtool()
