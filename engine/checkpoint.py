@@ -70,12 +70,13 @@ def save_checkpoint(
 def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict[str, Any]:
     """Restore `engine` from directory `path`; returns the checkpoint's extra state."""
     where = Path(path)
+    for name in ("state.json", "model.safetensors", "optimizer.safetensors"):
+        if not (where / name).is_file():
+            raise EngineError(f"checkpoint {where}: missing {name}")
     try:
         state = json.loads((where / "state.json").read_text())
         weights = load_file(str(where / "model.safetensors"))
         opt_tensors = load_file(str(where / "optimizer.safetensors"))
-    except FileNotFoundError as exc:
-        raise EngineError(f"checkpoint {where}: missing {Path(exc.filename).name}") from None
     except Exception as exc:
         raise EngineError(f"checkpoint {where}: unreadable: {exc}") from None
     if state.get("format") != FORMAT:

@@ -42,6 +42,9 @@ def token_logprobs(
     return torch.cat(parts)
 
 
+_FP32_MIN, _FP32_MAX = torch.finfo(torch.float32).min, torch.finfo(torch.float32).max
+
+
 @dataclass(frozen=True)
 class LossSettings:
     kind: str = "ppo"  # ppo | cispo
@@ -60,9 +63,14 @@ class TokenLoss:
     kl: torch.Tensor | None  # [tokens] FP32 k3 estimate, when kl_beta > 0
 
 
+def finite_floor(logprobs: torch.Tensor) -> torch.Tensor:
+    """A detached logprob with ±inf moved to the FP32 range, so differences stay finite."""
+    return torch.nan_to_num(logprobs, nan=float("nan"), neginf=_FP32_MIN, posinf=_FP32_MAX)
+
+
 def clamped_ratio(logprobs: torch.Tensor, base: torch.Tensor, clamp: float) -> torch.Tensor:
     """exp(logprobs - base), the log-ratio clamped to ±clamp first (-inf base stays finite)."""
-    return torch.exp((logprobs - base).clamp(-clamp, clamp))
+    return torch.exp((logprobs - finite_floor(base)).clamp(-clamp, clamp))
 
 
 def policy_token_loss(
@@ -85,7 +93,9 @@ def policy_token_loss(
     clipped_high = (ratio > high) & (advantages > 0)
     if settings.tis_cap > 0:
         assert sampler_logprobs is not None  # checked by the trainer with a clear error
-        weight = clamped_ratio(old_logprobs, sampler_logprobs, settings.logratio_clamp)
+        weight = clamped_ratio(
+            finite_floor(old_logprobs), sampler_logprobs, settings.logratio_clamp
+        )
         loss = loss * weight.clamp(max=settings.tis_cap).detach()
     kl = None
     if ref_logprobs is not None and settings.kl_beta > 0:
