@@ -1,4 +1,3 @@
-
 from engine import Engine
 from engine.packing import first_fit_decreasing
 from tests.engine.helpers import config
