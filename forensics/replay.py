@@ -45,6 +45,7 @@ class ReplayResult:
     checkpoint_step: int
     steps_replayed: int
     incident_id: int | None = None
+    note: str = ""  # e.g. why the target itself was not compared
     trace: list[dict[str, Any]] | None = field(default=None)  # per micro, per chunk
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,8 +81,9 @@ def replay(
     diverged_at = diverged_field = None
     replayed: StepReport | None = None
     for done, item in enumerate(plan):
-        replayed = _rerun(engine, item)
-        if replayed is not None and diverged_at is None:
+        is_target = done == len(plan) - 1
+        replayed = _rerun(engine, item, compute_skipped=is_target)
+        if item.row.outcome != "skipped" and diverged_at is None:
             diverged_field = _first_difference(item.report, replayed)
             if diverged_field is not None:
                 diverged_at = item.report.step
@@ -103,6 +105,10 @@ def replay(
         checkpoint_step=checkpoint.step,
         steps_replayed=len(plan),
         incident_id=incident_id,
+        note="the target was skipped without compute when recorded: computed now, compared "
+        "only the steps before it"
+        if target.row.outcome == "skipped"
+        else "",
         trace=_trace(target.report, replayed) if trace and replayed is not None else None,
     )
 
@@ -193,10 +199,11 @@ def _restore(store: Store, config: dict[str, Any], checkpoint: Checkpoint) -> En
     return engine
 
 
-def _rerun(engine: Engine, item: _Planned) -> StepReport | None:
-    """Run one recorded step as it was decided; None for a skipped step (nothing computed)."""
+def _rerun(engine: Engine, item: _Planned, compute_skipped: bool) -> StepReport | None:
+    """Run one recorded step as it was decided; a skipped step computes nothing (None) unless
+    it is the target, which is computed and flushed to show what it would have done."""
     batch = as_run(item.batch, item.report.micro_order)
-    if item.row.outcome == "skipped":
+    if item.row.outcome == "skipped" and not compute_skipped:
         engine.skip(batch)
         return None
     report = engine.accumulate(batch)

@@ -98,6 +98,8 @@ def _replay(args: argparse.Namespace) -> int:
     )
     if not result.reproduced:
         print(f"  first differing field: {result.field}")
+    if result.note:
+        print(f"  note: {result.note}")
     for name in result.recorded:
         print(
             f"  {name:<13} recorded {result.recorded[name]!r:<24} "

@@ -54,9 +54,12 @@ def test_ten_steps_past_a_checkpoint_are_bit_exact(tmp_path: Path) -> None:
     run = run_campaign(tmp_path / "run", 11, checkpoint_every=100, skip_steps=(4,))
     assert run.checkpoints == [0] and run.outcomes[4] == "skipped"
     result = replay(run.run_dir, step=10)
-    assert result.reproduced and result.steps_replayed == 11
+    assert result.reproduced and result.steps_replayed == 11 and not result.note
     for name in ("valid_tokens", "loss", "grad_norm"):
         assert bit_equal(result.replayed[name], getattr(run.reports[10], name))
+    skipped = replay(run.run_dir, step=4)  # computed now, compared up to the step before
+    assert skipped.reproduced and skipped.note and skipped.replayed["valid_tokens"] > 0
+    assert skipped.recorded["valid_tokens"] == 0
     # A record that differs by one ulp at step 6 is found, named, and the target is transient.
     store = Store(run.run_dir)
     with store.session() as session:
