@@ -185,7 +185,7 @@ class Daemon:
         guarded_seconds = time.perf_counter() - started
         self.signals.abortable = False
 
-        outcome = (
+        outcome = getattr(verdict, "outcome", "") or (
             "skipped"
             if report.skipped_compute
             else "flushed"
@@ -307,11 +307,12 @@ class Daemon:
         return code
 
     def _linger(self) -> None:
-        """Keep /metrics up (with /healthz 503) for `linger_seconds`; a stop signal ends it."""
+        """Keep /metrics up (with /healthz 503) for `linger_seconds`; a new stop signal ends it."""
         if self.server is None:
             return
         deadline = time.monotonic() + self.config.daemon.linger_seconds
-        while time.monotonic() < deadline and self.signals.abandon_signal is None:
+        stops = self.signals.stop_count
+        while time.monotonic() < deadline and self.signals.stop_count == stops:
             time.sleep(0.05)
 
     def _close_quietly(self) -> None:

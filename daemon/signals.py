@@ -26,6 +26,7 @@ class Signals:
         self.stop_signal: int | None = None  # the first SIGTERM/SIGINT
         self.abandon_signal: int | None = None  # the second one
         self.reload_requested = False  # SIGHUP
+        self.stop_count = 0  # stop signals received so far
         self.abortable = False  # True while the loop is in rollout / guarded_step
         self._previous: dict[int, object] = {}
 
@@ -50,6 +51,7 @@ class Signals:
         if signum == signal.SIGHUP:
             self.reload_requested = True
             return
+        self.stop_count += 1
         if self.stop_signal is None:
             self.stop_signal = signum
             return

@@ -1,0 +1,117 @@
+"""The monitoring path's cost on W1: steps/s with metrics + logs + guards + recorder on, over
+steps/s of the bare engine loop (rollout -> accumulate -> apply), interleaved in one run.
+
+The monitored side is the daemon's own step (`Daemon._step`: guarded_step, Prometheus
+metrics, a JSON log line, status, the flight recorder writing every batch to a SQLite store
+with its blobs); the bare side is the engine alone with the same config, so both see the same
+batches. Blocks of steps alternate between the sides (order flipped every round, so drift in
+the shared machine's load hits both); a monitored block ends with the recorder drained, so
+the background writes are paid inside the block. Prints one JSON line; goal: ratio >= 0.98.
+
+    .venv/bin/python bench/overhead.py [--rounds 8] [--block 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python bench/overhead.py` from the repo root
+    sys.path.insert(0, str(ROOT))
+
+from daemon import logs  # noqa: E402
+from daemon.config import DaemonConfig, GrpodConfig  # noqa: E402
+from daemon.loop import Daemon  # noqa: E402
+from daemon.rundir import Plan, RunDir  # noqa: E402
+from engine import Engine, EngineConfig  # noqa: E402
+
+W1 = EngineConfig(task="arith", threads=2)  # 16 prompts x 8 completions, 4 new tokens, lr 1e-3
+
+
+def bare_block(engine: Engine, steps: int) -> float:
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.accumulate(engine.rollout())
+        engine.apply()
+    return time.perf_counter() - started
+
+
+def monitored_block(daemon: Daemon, steps: int) -> float:
+    started = time.perf_counter()
+    for _ in range(steps):
+        with logs.step_context(daemon.engine.step):
+            daemon._step()
+    daemon.recorder.drain()  # the recorder's background writes belong to this side
+    return time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--block", type=int, default=5, help="steps per block")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="grpod-overhead-") as tmp:
+        run_dir = RunDir(Path(tmp) / "run")
+        config = GrpodConfig(
+            engine=W1,
+            daemon=DaemonConfig(
+                run_dir=str(run_dir.path), metrics_port=0, log_format="json", progress="off"
+            ),
+        )
+        plan = Plan(config, run_dir, "overhead", False, None, None)
+        daemon = Daemon(plan)
+        log_file = open(Path(tmp) / "daemon.log", "w")  # noqa: SIM115 - closed below
+        daemon.log = logs.make_logger("json", "info", stream=log_file)
+        logs.bind_run(plan.run_id, 0)
+        daemon._start()  # engine, guards, store, initial checkpoint, /metrics server
+        bare = Engine(W1)
+
+        bare_block(bare, args.warmup)
+        monitored_block(daemon, args.warmup)
+        times: dict[str, list[float]] = {"bare": [], "monitored": []}
+        for round_ in range(args.rounds):
+            sides = ["bare", "monitored"] if round_ % 2 == 0 else ["monitored", "bare"]
+            for side in sides:
+                if side == "bare":
+                    times[side].append(bare_block(bare, args.block) / args.block)
+                else:
+                    times[side].append(monitored_block(daemon, args.block) / args.block)
+        daemon.recorder.close()
+        daemon._close_quietly()
+        log_file.close()
+        recorded = daemon.recorder.recorded_total
+
+    bare_s = statistics.median(times["bare"])
+    monitored_s = statistics.median(times["monitored"])
+    print(
+        json.dumps(
+            {
+                "bench": "overhead",
+                "workload": "W1",
+                "rounds": args.rounds,
+                "block_steps": args.block,
+                "bare_seconds_per_step": round(bare_s, 5),
+                "monitored_seconds_per_step": round(monitored_s, 5),
+                "bare_steps_per_second": round(1 / bare_s, 3),
+                "monitored_steps_per_second": round(1 / monitored_s, 3),
+                "ratio": round(bare_s / monitored_s, 4),
+                "goal": 0.98,
+                "recorded_steps": recorded,
+                "bare_block_seconds": [round(t, 4) for t in times["bare"]],
+                "monitored_block_seconds": [round(t, 4) for t in times["monitored"]],
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The Metrics object on a registry of its own: names and values from a StepReport."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from daemon.metrics import PHASE_BUCKETS, Metrics
+from engine import StepReport
+from guards import Action, Finding, Verdict
+from tests.daemon.helpers import parse_metrics
+
+CONTRACT_NAMES = [
+    "grpod_step",
+    "grpod_steps_total",
+    "grpod_loss",
+    "grpod_reward_mean",
+    "grpod_reward_std",
+    "grpod_kl",
+    "grpod_valid_tokens",
+    "grpod_expected_valid_tokens",
+    "grpod_grad_norm",
+    "grpod_clip_coefficient",
+    "grpod_learning_rate",
+    "grpod_zero_std_group_fraction",
+    "grpod_clip_fraction",
+    "grpod_sampler_mismatch_p90_nats",
+    "grpod_sampler_mismatch_p99_nats",
+    "grpod_sampler_mismatch_fraction",
+    "grpod_gradnorm_vtc_correlation",
+    "grpod_findings_total",
+    "grpod_incidents_total",
+    "grpod_phase_duration_seconds",
+    "grpod_completion_tokens_total",
+    "grpod_completions_total",
+    "grpod_last_step_timestamp_seconds",
+    "grpod_recorder_queue_depth",
+    "grpod_recorder_blocked_total",
+    "grpod_halted",
+    "grpod_verdict_action",
+    "grpod_build_info",
+]
+
+
+def report(step: int = 3, **overrides: object) -> StepReport:
+    values = dict(
+        step=step,
+        valid_tokens=50,
+        expected_valid_tokens=52,
+        loss=0.25,
+        micro_losses=[0.25],
+        grad_norm=2.0,
+        clip_coef=0.5,
+        lr=1e-3,
+        reward_mean=0.75,
+        reward_std=0.4,
+        zero_std_group_fraction=0.25,
+        advantage_abs_max=1.5,
+        kl=None,
+        clip_fraction_low=0.01,
+        clip_fraction_high=0.02,
+        mismatch_mean=0.01,
+        mismatch_p90=0.03,
+        mismatch_p99=0.09,
+        mismatch_max=0.2,
+        mismatch_frac_above_0_1=0.005,
+        completion_length_mean=3.5,
+        completion_length_max=4,
+        num_micros=2,
+        num_samples=16,
+        phase_seconds={"rollout": 0.04, "score": 0.0, "grad": 0.06, "optim": 0.01},
+    )
+    return StepReport(**{**values, **overrides})
+
+
+def test_every_contract_name_and_the_values() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, {"grpod": "0.1.0", "torch": "2", "transformers": "5"})
+    verdict = Verdict(Action.WARN, [Finding("accounting", Action.WARN, "vtc != mask", {})])
+    phases = {**report().phase_seconds, "guards": 0.001, "record": 0.0002}
+    metrics.observe_step(report(), verdict, "applied", phases, 0.83, now=1234.0)
+    metrics.observe_recorder(queue_depth=2, blocked_total=1, incidents_total=1)
+    metrics.observe_recorder(queue_depth=0, blocked_total=1, incidents_total=3)
+    text = generate_latest(registry).decode()
+    names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    assert set(CONTRACT_NAMES) <= names, set(CONTRACT_NAMES) - names
+    values = parse_metrics(text)
+    assert values["grpod_step"] == 3 and values["grpod_loss"] == 0.25
+    assert values["grpod_valid_tokens"] == 50 and values["grpod_expected_valid_tokens"] == 52
+    assert values["grpod_clip_coefficient"] == 0.5 and values["grpod_learning_rate"] == 1e-3
+    assert math.isnan(values["grpod_kl"])  # off in the report
+    assert values['grpod_clip_fraction{side="high"}'] == 0.02
+    assert values["grpod_sampler_mismatch_p99_nats"] == 0.09
+    assert values["grpod_gradnorm_vtc_correlation"] == 0.83
+    assert values['grpod_steps_total{outcome="applied"}'] == 1
+    assert values['grpod_steps_total{outcome="flushed"}'] == 0
+    assert values['grpod_findings_total{action="WARN",guard="accounting"}'] == 1
+    assert values["grpod_verdict_action"] == 1
+    assert values["grpod_completions_total"] == 16 and values["grpod_completion_tokens_total"] == 56
+    assert values["grpod_incidents_total"] == 3 and values["grpod_recorder_blocked_total"] == 1
+    assert values["grpod_recorder_queue_depth"] == 0
+    assert values["grpod_last_step_timestamp_seconds"] == 1234.0
+    assert values['grpod_build_info{torch="2",transformers="5",version="0.1.0"}'] == 1
+    assert values['grpod_phase_duration_seconds_count{phase="guards"}'] == 1
+    le = [
+        k
+        for k in values
+        if k.startswith("grpod_phase_duration_seconds_bucket{") and 'phase="grad"' in k
+    ]
+    assert len(le) == len(PHASE_BUCKETS) + 1
+
+
+def test_skipped_step_counts_no_completions() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    skipped = report(skipped_compute=True, phase_seconds={})
+    metrics.observe_step(skipped, Verdict(Action.FLUSH, []), "skipped", {"guards": 0.0})
+    values = parse_metrics(generate_latest(registry).decode())
+    assert values['grpod_steps_total{outcome="skipped"}'] == 1
+    assert values["grpod_completions_total"] == 0
+
+
+def test_multiprocess_mode(tmp_path: Path) -> None:
+    """Under torchrun every rank writes PROMETHEUS_MULTIPROC_DIR; one serves them all."""
+    code = f"""
+import sys; sys.path[:0] = {sys.path!r}
+from prometheus_client import CollectorRegistry, generate_latest
+from daemon.metrics import Metrics, serving_registry
+from guards import Action, Verdict
+from tests.daemon.test_metrics import report
+registry = CollectorRegistry()
+metrics = Metrics(registry)
+metrics.observe_step(report(step=5), Verdict(Action.PASS, []), "applied", {{"grad": 0.1}})
+print(generate_latest(serving_registry(registry)).decode())
+"""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    values = parse_metrics(out)
+    assert values["grpod_step"] == 5 and values["grpod_loss"] == 0.25
+    assert values['grpod_steps_total{outcome="applied"}'] == 1
+    assert any(p.name.startswith("gauge_") for p in tmp_path.iterdir())

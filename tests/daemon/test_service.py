@@ -1,0 +1,243 @@
+"""End-to-end: real `grpod run` subprocesses on the tiny model (metrics, health, notify,
+signals, resume, HALT). Each run is a few steps of 16 completions on one thread."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import socket
+import sqlite3
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.daemon.helpers import (
+    GRPOD,
+    Grpod,
+    free_port,
+    http_get,
+    parse_metrics,
+    run_to_end,
+    tiny_config,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+STEPS = 6
+
+
+def recorded_steps(run_dir: Path) -> list[tuple[int, str, int, dict]]:
+    """(step, outcome, rerun, report) of every record, in recording order."""
+    with sqlite3.connect(run_dir / "grpod.sqlite") as db:
+        rows = db.execute(
+            "SELECT step, outcome, rerun, report_json FROM steps ORDER BY id"
+        ).fetchall()
+    return [(step, outcome, rerun, json.loads(report)) for step, outcome, rerun, report in rows]
+
+
+class NotifySocket:
+    """A datagram socket bound where NOTIFY_SOCKET points, collecting every message."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop:
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except TimeoutError:
+                continue
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=2)
+        self.sock.close()
+
+    def fields(self, key: str) -> list[str]:
+        return [
+            line.split("=", 1)[1]
+            for message in self.messages
+            for line in message.splitlines()
+            if line.startswith(f"{key}=")
+        ]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """state_digest() after an uninterrupted STEPS-step run."""
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    config = tiny_config(cwd / "grpod.toml", free_port())
+    g = run_to_end(["--config", str(config), "--run-dir", "run", "--max-steps", str(STEPS)], cwd)
+    stopped = g.event("stopped")
+    assert stopped["next_step"] == STEPS
+    return stopped["state_digest"]
+
+
+def test_metrics_health_notify_and_reload(tmp_path: Path) -> None:
+    port = free_port()
+    config = tiny_config(tmp_path / "grpod.toml", port, linger_seconds=60)
+    good = config.read_text()
+    notify = NotifySocket(tmp_path / "notify.sock")
+    g = Grpod(
+        ["--config", str(config), "--run-dir", "run", "--max-steps", "10"],
+        tmp_path,
+        env={"NOTIFY_SOCKET": str(notify.path)},
+    )
+    try:
+        g.wait_step(1)
+        assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+        # SIGHUP reloads [guards]; a bad file is refused and the old thresholds kept
+        config.write_text("[guards\n")
+        g.signal(signal.SIGHUP)
+        failed = g.wait_event(lambda e: e["event"] == "reload failed")
+        assert "not valid TOML" in failed["error"]
+        config.write_text(good)
+        g.signal(signal.SIGHUP)
+        g.wait_event(lambda e: e["event"] == "reloaded")
+
+        g.wait_event(lambda e: e["event"] == "stopped")  # the loop is over; the server lingers
+        status, body = http_get(f"http://127.0.0.1:{port}/healthz")
+        assert status == 503 and "loop stopped" in body
+        metrics = parse_metrics(http_get(f"http://127.0.0.1:{port}/metrics")[1])
+    finally:
+        g.signal(signal.SIGTERM)  # ends the linger
+        rc = g.wait()
+        notify.close()
+    assert rc == 0, g.stderr
+
+    records = recorded_steps(tmp_path / "run")
+    step, _, _, report = records[-1]
+    assert step == 9 and metrics["grpod_step"] == 9
+    for gauge, key in {
+        "grpod_loss": "loss",
+        "grpod_reward_mean": "reward_mean",
+        "grpod_valid_tokens": "valid_tokens",
+        "grpod_expected_valid_tokens": "expected_valid_tokens",
+        "grpod_grad_norm": "grad_norm",
+        "grpod_clip_coefficient": "clip_coef",
+        "grpod_learning_rate": "lr",
+        "grpod_zero_std_group_fraction": "zero_std_group_fraction",
+        'grpod_clip_fraction{side="high"}': "clip_fraction_high",
+        "grpod_sampler_mismatch_p90_nats": "mismatch_p90",
+        "grpod_sampler_mismatch_fraction": "mismatch_frac_above_0_1",
+    }.items():
+        recorded = float(report[key]) if report[key] is not None else math.nan
+        assert metrics[gauge] == recorded or (math.isnan(recorded) and math.isnan(metrics[gauge]))
+    outcomes = [o for _, o, _, _ in records]
+    for name in ("applied", "flushed", "skipped"):
+        assert metrics[f'grpod_steps_total{{outcome="{name}"}}'] == outcomes.count(name)
+    assert metrics["grpod_recorder_queue_depth"] == 0
+    assert metrics["grpod_halted"] == 0
+    assert 'grpod_phase_duration_seconds_count{phase="checkpoint"}' in metrics
+    assert any(key.startswith("grpod_build_info{") for key in metrics)
+
+    assert notify.fields("READY") == ["1"]
+    assert "1" in notify.fields("WATCHDOG")
+    assert notify.fields("EXTEND_TIMEOUT_USEC")
+    assert notify.fields("STOPPING") == ["1"]
+    statuses = notify.fields("STATUS")
+    assert any(s.startswith("step ") and "last verdict" in s for s in statuses)
+    assert statuses[-1].startswith("stopped: finished")
+
+
+def test_sigterm_then_resume_is_bit_identical(tmp_path: Path, uninterrupted: str) -> None:
+    config = tiny_config(tmp_path / "grpod.toml", free_port())
+    args = ["--config", str(config), "--run-dir", "run", "--max-steps", str(STEPS)]
+    at = random.randint(1, STEPS - 3)
+    g = Grpod(args, tmp_path)
+    g.wait_step(at)
+    g.signal(signal.SIGTERM)
+    assert g.wait() == 0, g.stderr
+    stopped = g.event("stopped")
+    assert stopped["reason"] == "stopped by SIGTERM"
+    stopped_at = stopped["next_step"]
+    assert at < stopped_at < STEPS, f"SIGTERM after step {at} stopped at {stopped_at}"
+    assert (tmp_path / "run" / "checkpoints" / f"step-{stopped_at:08d}" / "state.json").is_file()
+
+    status = subprocess.run(
+        [GRPOD, "status", "--run-dir", "run", "--json"], cwd=tmp_path, capture_output=True
+    )
+    assert status.returncode == 0, status.stderr
+    state = json.loads(status.stdout)
+    assert state["state"] == "stopped" and state["last_step"] == stopped_at - 1
+
+    resumed = run_to_end(args, tmp_path)
+    assert resumed.event("started")["resumed_from"] == stopped_at
+    assert resumed.event("stopped")["state_digest"] == uninterrupted
+    records = recorded_steps(tmp_path / "run")
+    assert [s for s, *_ in records] == list(range(STEPS))
+    assert not any(rerun for _, _, rerun, _ in records)
+
+
+def test_sigkill_then_resume_reruns_and_fsck_passes(tmp_path: Path, uninterrupted: str) -> None:
+    config = tiny_config(tmp_path / "grpod.toml", free_port())
+    args = ["--config", str(config), "--run-dir", "run", "--max-steps", str(STEPS)]
+    g = Grpod(args, tmp_path)
+    g.wait_step(3)
+    g.signal(signal.SIGKILL)
+    assert g.wait() == -signal.SIGKILL
+
+    resumed = run_to_end(args, tmp_path)
+    started = resumed.event("started")
+    assert started["resumed_from"] in (0, 2, 4)
+    assert resumed.event("stopped")["state_digest"] == uninterrupted
+    records = recorded_steps(tmp_path / "run")
+    assert sorted({s for s, *_ in records}) == list(range(STEPS))
+    seen: set[int] = set()
+    for step, _, rerun, _ in records:
+        assert bool(rerun) == (step in seen), f"step {step}: rerun flag {rerun}"
+        seen.add(step)
+    assert any(rerun for _, _, rerun, _ in records) == (started["rerun_through"] >= 0)
+    fsck = subprocess.run(
+        [GRPOD, "fsck", "--run-dir", "run"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+
+
+def test_halt_checkpoints_and_exits_3(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path / "grpod.toml",
+        {
+            "engine": {**HALT_ENGINE},
+            "guards": {"halt_after_consecutive_flushes": 2},
+            "daemon": {"metrics": False, "log_format": "json", "progress": "off"},
+        },
+    )
+    notify = NotifySocket(tmp_path / "notify.sock")
+    g = Grpod(
+        ["--config", str(config), "--run-dir", "run", "--max-steps", "8"],
+        tmp_path,
+        env={"NOTIFY_SOCKET": str(notify.path)},
+    )
+    rc = g.wait()
+    notify.close()
+    assert rc == 3, g.stderr
+    stopping = g.event("stopping")
+    assert stopping["level"] == "error" and "HALT" in stopping["reason"]
+    halted_at = g.event("stopped")["next_step"]
+    assert (tmp_path / "run" / "checkpoints" / f"step-{halted_at:08d}").is_dir()
+    assert any(s.startswith("halted: HALT") for s in notify.fields("STATUS"))
+    assert recorded_steps(tmp_path / "run")[-1][1] == "flushed"
+
+
+HALT_ENGINE = {
+    "task": "copy",
+    "prompts_per_step": 4,
+    "group_size": 4,
+    "micro_batch_rows": 4,
+    "seq_len": 16,
+    "max_new_tokens": 2,
+    "threads": 1,
+    "fault_nan_loss_steps": [1, 2],
+}
