@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import insert
 
 from engine import StepReport, TransportBatch
 from forensics.blobs import BlobStore
@@ -226,16 +226,7 @@ class FlightRecorder:
         self.incidents_total += int(opened)
 
     def _open_incident(self, session, step: int, step_id: int, verdict: dict[str, Any]) -> None:
-        checkpoint = session.scalars(
-            select(Checkpoint)
-            .where(
-                Checkpoint.run_id.in_(self.store.run_ids(session)),
-                Checkpoint.step <= step,
-                Checkpoint.deleted.is_(False),
-            )
-            .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
-            .limit(1)
-        ).first()
+        checkpoint = self.store.checkpoint_at_or_before(session, step)
         if checkpoint is not None:
             checkpoint.pinned = True
         session.add(

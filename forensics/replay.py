@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import select
 
 from engine import Engine, EngineConfig, EngineError, StepReport, TransportBatch
 from forensics.blobs import BlobStore
@@ -119,7 +118,6 @@ def _plan(
     """The run config, the checkpoint, and every step from it to the target, verified."""
     blobs = BlobStore(store.run_dir)
     with store.session() as session:
-        runs = store.run_ids(session)
         if incident_id is not None:
             incident = store.incident(session, incident_id)
             target = session.get(Step, incident.step_id)
@@ -130,12 +128,7 @@ def _plan(
             checkpoint = session.get(Checkpoint, incident.checkpoint_id)
         else:
             target = store.latest_step(session, step)
-            candidates = [  # the daemon may have removed old checkpoint dirs itself
-                c
-                for c in store.checkpoints(session)
-                if c.step <= target.step and store.checkpoint_path(c).is_dir()
-            ]
-            checkpoint = candidates[-1] if candidates else None
+            checkpoint = store.checkpoint_at_or_before(session, target.step, on_disk=True)
             if checkpoint is None:
                 raise ForensicsError(f"step {target.step}: no checkpoint at or before it")
         if checkpoint.deleted or not store.checkpoint_path(checkpoint).is_dir():
@@ -143,24 +136,13 @@ def _plan(
                 f"checkpoint step {checkpoint.step}: missing directory "
                 f"{store.checkpoint_path(checkpoint)}"
             )
-        rows = session.scalars(
-            select(Step)
-            .where(
-                Step.run_id.in_(runs),
-                Step.step >= checkpoint.step,
-                Step.step < target.step,
-                Step.id <= target.id,
-            )
-            .order_by(Step.step, Step.id)
-        ).all()
-        latest = {row.step: row for row in rows}  # the last decision recorded for each step
-        missing = sorted(set(range(checkpoint.step, target.step)) - set(latest))
+        ordered = store.decided_steps(session, checkpoint.step, target)
+        missing = sorted(set(range(checkpoint.step, target.step)) - {r.step for r in ordered})
         if missing:
             raise ForensicsError(
                 f"step {missing[0]}: not recorded, cannot replay from checkpoint step "
                 f"{checkpoint.step} to step {target.step}"
             )
-        ordered = [latest[s] for s in range(checkpoint.step, target.step)] + [target]
         plan = [_load(session, blobs, row) for row in ordered]
         config = json.loads(store.run(session, target.run_id).config_json)
         session.expunge_all()

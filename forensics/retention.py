@@ -184,24 +184,13 @@ def _retention_start(retained: list[Checkpoint]) -> int:
 def _pins(store: Store, session: Any) -> list[tuple[Incident, list[Step]]]:
     """Each incident with the step rows it pins (from its checkpoint's step to its step)."""
     out = []
-    runs = store.run_ids(session)
     for incident in store.incidents(session):
-        target = session.get(Step, incident.step_id)
         first = incident.step
         if incident.checkpoint_id is not None:
             first = session.get(Checkpoint, incident.checkpoint_id).step
-        rows = session.scalars(
-            select(Step)
-            .where(
-                Step.run_id.in_(runs),
-                Step.step >= first,
-                Step.step < incident.step,
-                Step.id <= target.id,
-            )
-            .order_by(Step.step, Step.id)
-        ).all()
-        latest = {row.step: row for row in rows}
-        out.append((incident, [*latest.values(), target]))
+        out.append(
+            (incident, store.decided_steps(session, first, session.get(Step, incident.step_id)))
+        )
     return out
 
 

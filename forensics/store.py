@@ -199,6 +199,34 @@ class Store:
             query = query.where(Checkpoint.deleted.is_(False))
         return list(session.scalars(query.order_by(Checkpoint.step, Checkpoint.id)))
 
+    def checkpoint_at_or_before(
+        self, session: Session, step: int, *, on_disk: bool = False
+    ) -> Checkpoint | None:
+        """The newest noted checkpoint taken at or before `step` (its directory present when
+        `on_disk`: the daemon may remove old checkpoints itself)."""
+        candidates = [
+            c
+            for c in self.checkpoints(session)
+            if c.step <= step and (not on_disk or self.checkpoint_path(c).is_dir())
+        ]
+        return candidates[-1] if candidates else None
+
+    def decided_steps(self, session: Session, first: int, target: Step) -> list[Step]:
+        """The record that decided each step in [first, target.step), then `target`: the last
+        record of each step made no later than the target's (a resumed run re-records)."""
+        rows = session.scalars(
+            select(Step)
+            .where(
+                Step.run_id.in_(self.run_ids(session)),
+                Step.step >= first,
+                Step.step < target.step,
+                Step.id <= target.id,
+            )
+            .order_by(Step.step, Step.id)
+        ).all()
+        latest = {row.step: row for row in rows}
+        return [*latest.values(), target]
+
     def checkpoint_path(self, checkpoint: Checkpoint) -> Path:
         path = Path(checkpoint.path)
         return path if path.is_absolute() else self.run_dir / path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import shutil
@@ -163,3 +164,21 @@ def test_record_and_replay_through_a_shared_store(tmp_path: Path, store_url: str
     (run.run_dir / "config.toml").write_text(f'[forensics]\nstore_url = "{store_url}"\n')
     result = replay(run.run_dir, incident_id=list_incidents(run.run_dir)[0]["id"])
     assert result.reproduced and result.step == 3 and result.steps_replayed == 4
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_cli_text_replay_draws_a_progress_bar_on_a_tty(
+    recorded: Campaign, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from daemon.cli import main
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["replay", "--step", "12", "--run-dir", str(recorded.run_dir), "--trace"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("step 12: reproduced (healthy)") and "micro chunk" in out
+    assert "\rreplay [" in terminal.getvalue() and "3/3 step 12" in terminal.getvalue()
