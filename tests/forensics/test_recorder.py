@@ -52,3 +52,23 @@ def test_writer_failure_surfaces_and_never_hangs_the_trainer(tmp_path: Path) -> 
         recorder.drain()
     with pytest.raises(ForensicsError, match="flight recorder failed"):
         recorder.close()
+
+
+class _VerdictLike:
+    """What the daemon passes: a guards Verdict, of which the recorder uses only to_dict()."""
+
+    def to_dict(self) -> dict:
+        return {"action": "HALT", "findings": [{"guard": "finite", "action": "HALT"}]}
+
+
+def test_a_verdict_object_is_recorded_through_to_dict(tmp_path: Path) -> None:
+    recorder = FlightRecorder(tmp_path)
+    recorder.start_run("r", {"engine": {}}, {}, "cpu")
+    recorder.record(tiny_batch(0), tiny_report(0), _VerdictLike(), "flushed")
+    recorder.close()
+    assert recorder.incidents_total == 1
+    store = Store(tmp_path, create=False)
+    with store.session() as session:
+        (incident,) = store.incidents(session)
+        assert incident.action == "HALT" and incident.checkpoint_id is None
+    store.close()
