@@ -1,0 +1,32 @@
+"""`accounting`: the zero-lr flush. A step whose token accounting is corrupt is never applied."""
+
+from __future__ import annotations
+
+from engine import StepReport, TransportBatch
+from guards.base import Guard
+from guards.verdict import Finding
+
+
+class AccountingGuard(Guard):
+    """FLUSH when `valid_tokens == 0` on a step with micros; in `strict` mode (the default) also
+    when `valid_tokens != expected_valid_tokens`. `nonzero` mode is for engines whose counter is
+    per-micro by design."""
+
+    name = "accounting"
+
+    def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
+        valid, expected = report.valid_tokens, report.expected_valid_tokens
+        evidence = dict(
+            valid_tokens=float(valid),
+            expected_valid_tokens=float(expected),
+            num_micros=float(report.num_micros),
+        )
+        if report.num_micros > 0 and valid == 0:
+            return [self.finding(f"valid_tokens is 0 (expected {expected})", **evidence)]
+        if self.config.mode == "strict" and valid != expected:
+            return [
+                self.finding(
+                    f"valid_tokens {valid} != expected {expected} (loss mask sum)", **evidence
+                )
+            ]
+        return []

@@ -1,0 +1,36 @@
+"""`advantage`: a step without learning signal."""
+
+from __future__ import annotations
+
+from engine import StepReport, TransportBatch
+from guards.base import Guard
+from guards.verdict import Finding
+
+
+class AdvantageGuard(Guard):
+    """WARN when the zero-std group fraction exceeds its maximum, and when every advantage of
+    the batch's trainable tokens is 0 (no learning signal at all)."""
+
+    name = "advantage"
+
+    def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
+        findings = []
+        fraction = report.zero_std_group_fraction
+        if fraction > self.config.zero_std_fraction_max:
+            findings.append(
+                self.finding(
+                    f"{fraction:.0%} of groups have equal rewards "
+                    f"(> {self.config.zero_std_fraction_max:.0%})",
+                    zero_std_group_fraction=fraction,
+                    threshold=self.config.zero_std_fraction_max,
+                )
+            )
+        trainable = batch.advantages[batch.loss_mask]
+        if trainable.numel() and not bool(trainable.any()):
+            findings.append(
+                self.finding(
+                    "every advantage of the batch is 0: no learning signal",
+                    trainable_tokens=float(trainable.numel()),
+                )
+            )
+        return findings

@@ -1,0 +1,110 @@
+"""The guard interface and the small statistics every guard shares.
+
+A guard is built from its config section, holds its own bounded history, and has two hooks:
+`before(batch) -> (batch | None, findings)` (a returned `None` asks to skip the compute) and
+`after(batch, report) -> findings`. It reads only `TransportBatch` and `StepReport`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from engine import StepReport, TransportBatch
+from guards.errors import GuardsError
+from guards.verdict import Action, Finding
+
+
+class Guard:
+    """Base class: subclasses set `name`, and override the hooks and the state they keep."""
+
+    name: ClassVar[str]
+
+    def __init__(self, config: BaseModel) -> None:
+        self.configure(config)
+
+    def configure(self, config: BaseModel) -> None:
+        """Take a (new) config section; history is kept (SIGHUP reload)."""
+        self.config = config
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.config.enabled)
+
+    @property
+    def action(self) -> Action:
+        return Action[self.config.action]
+
+    def finding(self, message: str, action: Action | None = None, **evidence: float) -> Finding:
+        return Finding(self.name, self.action if action is None else action, message, evidence)
+
+    def before(self, batch: TransportBatch) -> tuple[TransportBatch | None, list[Finding]]:
+        return batch, []
+
+    def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise GuardsError(f"guard {self.name}: unexpected saved state keys {sorted(state)}")
+
+
+class Window:
+    """A bounded history of finite floats (a deque with a resizable `maxlen`)."""
+
+    def __init__(self, size: int, values: Iterable[float] = ()) -> None:
+        self.values: deque[float] = deque(values, maxlen=size)
+
+    def resize(self, size: int) -> None:
+        if size != self.values.maxlen:
+            self.values = deque(self.values, maxlen=size)
+
+    def append(self, value: float) -> None:
+        self.values.append(float(value))
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def mean_std(self) -> tuple[float, float]:
+        """Mean and population std (FP64); (nan, nan) when empty."""
+        n = len(self.values)
+        if n == 0:
+            return math.nan, math.nan
+        mean = math.fsum(self.values) / n
+        var = math.fsum((v - mean) ** 2 for v in self.values) / n
+        return mean, math.sqrt(var)
+
+
+def is_finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def pearson(xs: list[float], ys: list[float]) -> float | None:
+    """Pearson correlation in FP64; None with fewer than 2 points or a constant series."""
+    n = len(xs)
+    if n < 2 or n != len(ys):
+        return None
+    mx, my = math.fsum(xs) / n, math.fsum(ys) / n
+    sxx = math.fsum((x - mx) ** 2 for x in xs)
+    syy = math.fsum((y - my) ** 2 for y in ys)
+    if sxx <= 0.0 or syy <= 0.0:
+        return None
+    sxy = math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    return max(-1.0, min(1.0, sxy / math.sqrt(sxx * syy)))
+
+
+def load_floats(state: dict[str, Any], key: str, guard: str) -> list[float]:
+    """A saved list of numbers, or a GuardsError naming the guard and the key."""
+    values = state.get(key, [])
+    if not isinstance(values, list) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+    ):
+        raise GuardsError(f"guard {guard}: saved state {key!r} is not a list of numbers")
+    return [float(v) for v in values]

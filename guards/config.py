@@ -1,0 +1,124 @@
+"""`GuardsConfig`: the guards' typed config section (`[guards]` in grpod.toml), one per guard."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from guards.verdict import ActionName
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+
+
+class AccountingConfig(_Section):
+    """The zero-lr flush: never apply a step whose token accounting is corrupt."""
+
+    mode: Literal["strict", "nonzero"] = Field(
+        "strict",
+        description="strict: valid == expected; nonzero: only valid > 0 (per-micro engines)",
+    )
+    action: ActionName = "FLUSH"
+
+
+class FiniteConfig(_Section):
+    """Non-finite losses, grad norms, rewards, advantages and logprobs; sentinel logprobs."""
+
+    action: ActionName = "FLUSH"
+    sentinel_logprob_max: float = Field(
+        -1e3,
+        description="a trainable sampler logprob at or below this is a sentinel (-9999, -1e4); "
+        "a sampled token's FP32 logprob cannot go below ~-104",
+    )
+    weights_action: ActionName = "HALT"
+
+
+class CorrelationConfig(_Section):
+    """Rolling Pearson correlation of the pre-clip grad norm with 1 / valid_tokens."""
+
+    window: int = Field(64, ge=2)
+    min_steps: int = Field(16, ge=2)
+    threshold: float = Field(0.8, ge=-1.0, le=1.0)
+    action: ActionName = "WARN"
+
+
+class ReorderConfig(_Section):
+    """Run the micro with the largest chunk-0 valid count last when accounting is per-micro."""
+
+    per_micro_accounting: bool = Field(
+        False,
+        description="force the reorder on (also on when the engine's fault is on or "
+        "accounting.mode is nonzero)",
+    )
+    skip_action: ActionName = Field("FLUSH", description="the action of a skip-fast step")
+
+
+class SpikeConfig(_Section):
+    """Rolling z-score of loss, grad norm and KL."""
+
+    window: int = Field(128, ge=2)
+    min_steps: int = Field(32, ge=2)
+    threshold_sigma: float = Field(6.0, gt=0.0)
+    min_std: float = Field(1e-6, ge=0.0, description="std floor so a constant history is usable")
+    level_shift_after: int = Field(
+        8, ge=1, description="after this many consecutive spikes a metric's new level is accepted"
+    )
+    metrics: tuple[Literal["loss", "grad_norm", "kl"], ...] = ("loss", "grad_norm", "kl")
+    action: ActionName = "WARN"
+
+
+class AdvantageConfig(_Section):
+    """No learning signal: most groups with equal rewards, or every advantage 0."""
+
+    zero_std_fraction_max: float = Field(0.9, ge=0.0, le=1.0)
+    action: ActionName = "WARN"
+
+
+class SamplerMismatchConfig(_Section):
+    """Sampler vs trainer logprobs of the same tokens."""
+
+    p99_max_nats: float = Field(1.0, gt=0.0)
+    fraction_above_0_1_max: float = Field(0.2, ge=0.0, le=1.0)
+    action: ActionName = "WARN"
+
+
+class ClipConfig(_Section):
+    """Clipping that suppresses real updates: clip coefficient small on most recent steps."""
+
+    window: int = Field(32, ge=1)
+    clip_coef_min: float = Field(0.2, gt=0.0, le=1.0)
+    fraction_max: float = Field(0.5, ge=0.0, le=1.0)
+    action: ActionName = "WARN"
+
+
+class GuardsConfig(BaseModel):
+    """Every guard's section, plus the policy's escalation and distributed settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    halt_after_consecutive_flushes: int = Field(
+        5, ge=0, description="this many flushed steps in a row become a HALT; 0 = never"
+    )
+    all_reduce: bool = Field(True, description="all-reduce (max) actions under torch.distributed")
+    accounting: AccountingConfig = AccountingConfig()
+    finite: FiniteConfig = FiniteConfig()
+    gradnorm_vtc_correlation: CorrelationConfig = CorrelationConfig()
+    reorder: ReorderConfig = ReorderConfig()
+    spike: SpikeConfig = SpikeConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    sampler_mismatch: SamplerMismatchConfig = SamplerMismatchConfig()
+    clip: ClipConfig = ClipConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> GuardsConfig:
+        for name in ("gradnorm_vtc_correlation", "spike"):
+            section = getattr(self, name)
+            if section.min_steps > section.window:
+                raise ValueError(
+                    f"{name}: min_steps {section.min_steps} exceeds window {section.window}"
+                )
+        return self

@@ -1,0 +1,88 @@
+"""`finite`: non-finite numbers and sentinel logprobs never reach the optimizer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from engine import StepReport, TransportBatch
+from guards.base import Guard
+from guards.verdict import Action, Finding
+
+
+class FiniteGuard(Guard):
+    """FLUSH on a non-finite loss, micro loss or grad norm; on a non-finite reward, or a
+    non-finite advantage / sampler logprob / old logprob of a trainable token; on sentinel
+    sampler logprobs (<= `sentinel_logprob_max`) of trainable tokens. HALT (`weights_action`)
+    when the weights are non-finite after an apply."""
+
+    name = "finite"
+
+    def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
+        findings: list[Finding] = []
+        if not math.isfinite(report.loss):
+            findings.append(self.finding(f"loss is {report.loss}", loss=report.loss))
+        bad = [i for i, x in enumerate(report.micro_losses) if not math.isfinite(x)]
+        if bad:
+            findings.append(
+                self.finding(
+                    f"{len(bad)} micro losses are non-finite (first: micro {bad[0]})",
+                    nonfinite_micros=float(len(bad)),
+                    first_micro=float(bad[0]),
+                )
+            )
+        if not math.isfinite(report.grad_norm):
+            findings.append(
+                self.finding(f"grad norm is {report.grad_norm}", grad_norm=report.grad_norm)
+            )
+        bad_rewards = int((~torch.isfinite(batch.rewards)).sum())
+        if bad_rewards:
+            findings.append(
+                self.finding(
+                    f"{bad_rewards} rewards are non-finite", nonfinite_rewards=float(bad_rewards)
+                )
+            )
+        mask = batch.loss_mask
+        for name in ("advantages", "sampler_logprobs", "old_logprobs"):
+            tensor = getattr(batch, name)
+            if tensor is None:
+                continue
+            values = tensor[mask]
+            count = int((~torch.isfinite(values)).sum())
+            if count:
+                findings.append(
+                    self.finding(
+                        f"{count} trainable tokens have a non-finite {name[:-1]}",
+                        nonfinite_tokens=float(count),
+                    )
+                )
+        if batch.sampler_logprobs is not None:
+            sentinel = batch.sampler_logprobs[mask] <= self.config.sentinel_logprob_max
+            count = int(sentinel.sum())
+            if count:
+                lowest = float(batch.sampler_logprobs[mask].min())
+                findings.append(
+                    self.finding(
+                        f"{count} trainable tokens carry a sentinel sampler logprob "
+                        f"(<= {self.config.sentinel_logprob_max:g}; lowest {lowest:g})",
+                        sentinel_tokens=float(count),
+                        lowest_logprob=lowest,
+                    )
+                )
+        return findings
+
+    def check_weights(self, weights: Iterable[torch.Tensor]) -> list[Finding]:
+        """After an apply: HALT when any weight tensor holds a non-finite value."""
+        tensors = list(weights)
+        bad = sum(1 for w in tensors if not bool(torch.isfinite(w.detach()).all()))
+        if not bad:
+            return []
+        return [
+            self.finding(
+                f"{bad} of {len(tensors)} weight tensors are non-finite after the update",
+                Action[self.config.weights_action],
+                nonfinite_tensors=float(bad),
+            )
+        ]

@@ -1,0 +1,235 @@
+"""`GuardPolicy` combines the guards' findings into one verdict; `guarded_step` is the one
+place where a step's update is decided.
+
+Order is fixed: reorder (before), accounting, finite, gradnorm_vtc_correlation, spike,
+advantage, sampler_mismatch, clip. Under torch.distributed every decision (skip, action, the
+weights check) is all-reduced with max, so all ranks apply, flush or skip the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from engine import StepReport, TransportBatch
+from guards import distributed
+from guards.accounting import AccountingGuard
+from guards.advantage import AdvantageGuard
+from guards.base import Guard
+from guards.clip import ClipGuard
+from guards.config import GuardsConfig
+from guards.correlation import GradNormVTCCorrelationGuard
+from guards.errors import GuardsError
+from guards.finite import FiniteGuard
+from guards.mismatch import SamplerMismatchGuard
+from guards.reorder import ReorderGuard
+from guards.spike import SpikeGuard
+from guards.verdict import Action, Finding, Verdict
+
+GUARD_CLASSES: tuple[type[Guard], ...] = (
+    ReorderGuard,
+    AccountingGuard,
+    FiniteGuard,
+    GradNormVTCCorrelationGuard,
+    SpikeGuard,
+    AdvantageGuard,
+    SamplerMismatchGuard,
+    ClipGuard,
+)
+STATE_FORMAT = "grpod.guards_state/1"
+
+
+def _validate(config: GuardsConfig | dict | None) -> GuardsConfig:
+    if config is None:
+        return GuardsConfig()
+    if isinstance(config, GuardsConfig):
+        return config
+    try:
+        return GuardsConfig.model_validate(config)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "guards"
+        raise GuardsError(f"guards config {where}: {first['msg']}") from None
+
+
+class GuardPolicy:
+    """The enabled guards in a fixed order, their combined verdict, and escalation."""
+
+    def __init__(self, config: GuardsConfig | dict | None = None) -> None:
+        self.config = _validate(config)
+        self.guards: dict[str, Guard] = {
+            cls.name: cls(getattr(self.config, cls.name)) for cls in GUARD_CLASSES
+        }
+        self.consecutive_flushes = 0
+
+    # ----------------------------------------------------------------- the hooks
+    def before(
+        self, batch: TransportBatch, *, per_micro_accounting: bool = False
+    ) -> tuple[TransportBatch, list[Finding], bool]:
+        """Run the before-hooks: `(batch to run, findings, skip the compute?)`.
+
+        `per_micro_accounting`: the engine's counter is per-micro (its accounting fault is on);
+        the reorder guard is also on when configured so or in accounting mode `nonzero`.
+        """
+        reorder = self.guards["reorder"]
+        reorder.active = (  # type: ignore[attr-defined]
+            per_micro_accounting
+            or self.config.reorder.per_micro_accounting
+            or (self.config.accounting.enabled and self.config.accounting.mode == "nonzero")
+        )
+        findings: list[Finding] = []
+        skip = False
+        for guard in self._enabled():
+            out, found = guard.before(batch)
+            findings += found
+            if out is None:
+                skip = True
+                break
+            batch = out
+        if self._all_reduce() and distributed.all_reduce_max(int(skip)) and not skip:
+            skip = True
+            findings.append(
+                Finding("policy", Action.FLUSH, "a peer rank skips this step's compute", {})
+            )
+        return batch, findings, skip
+
+    def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
+        """Run the after-hooks of the enabled guards on the batch as run and its report."""
+        findings: list[Finding] = []
+        for guard in self._enabled():
+            findings += guard.after(batch, report)
+        return findings
+
+    def decide(self, findings: list[Finding]) -> Verdict:
+        """One verdict: the highest action, all-reduced over ranks, escalated after
+        `halt_after_consecutive_flushes` flushed steps in a row."""
+        verdict = Verdict.of(findings)
+        if self._all_reduce():
+            reduced = Action(distributed.all_reduce_max(int(verdict.action)))
+            if reduced > verdict.action:
+                verdict.findings.append(
+                    Finding(
+                        "policy",
+                        reduced,
+                        f"a peer rank's verdict is {reduced.name}",
+                        {"local_action": float(verdict.action), "rank": float(distributed.rank())},
+                    )
+                )
+                verdict.action = reduced
+        if verdict.action >= Action.FLUSH:
+            self.consecutive_flushes += 1
+            limit = self.config.halt_after_consecutive_flushes
+            if limit and self.consecutive_flushes >= limit and verdict.action < Action.HALT:
+                verdict.findings.append(
+                    Finding(
+                        "policy",
+                        Action.HALT,
+                        f"{self.consecutive_flushes} consecutive flushed steps (limit {limit})",
+                        {"consecutive_flushes": float(self.consecutive_flushes)},
+                    )
+                )
+                verdict.action = Action.HALT
+        else:
+            self.consecutive_flushes = 0
+        return verdict
+
+    def check_weights(self, weights: list[torch.Tensor]) -> list[Finding]:
+        """After an apply: the finite guard's weights check, all-reduced over ranks."""
+        finite = self.guards["finite"]
+        found = finite.check_weights(weights) if finite.enabled else []  # type: ignore[attr-defined]
+        local = max((f.action for f in found), default=Action.PASS)
+        if self._all_reduce():
+            reduced = Action(distributed.all_reduce_max(int(local)))
+            if reduced > local:
+                found.append(
+                    Finding("policy", reduced, f"a peer rank's weights check is {reduced.name}", {})
+                )
+        return found
+
+    # ----------------------------------------------------------------- state
+    @property
+    def gradnorm_vtc_correlation(self) -> float | None:
+        """The rolling correlation of grad norm and 1/valid_tokens (None until min_steps)."""
+        return self.guards["gradnorm_vtc_correlation"].value  # type: ignore[attr-defined]
+
+    @property
+    def skip_fast_total(self) -> int:
+        return self.guards["reorder"].skip_fast_total  # type: ignore[attr-defined]
+
+    def reload(self, config: GuardsConfig | dict) -> None:
+        """SIGHUP: new thresholds and switches; every guard keeps its history."""
+        self.config = _validate(config)
+        for name, guard in self.guards.items():
+            guard.configure(getattr(self.config, name))
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state (windows, counters) to save with a checkpoint."""
+        return {
+            "format": STATE_FORMAT,
+            "consecutive_flushes": self.consecutive_flushes,
+            "guards": {name: guard.state_dict() for name, guard in self.guards.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`; a malformed state is a GuardsError naming what is wrong."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise GuardsError(f"guards state: format is {found!r}, not {STATE_FORMAT}")
+        saved = state.get("guards", {})
+        if not isinstance(saved, dict):
+            raise GuardsError("guards state: 'guards' is not a mapping")
+        unknown = set(saved) - set(self.guards)
+        if unknown:
+            raise GuardsError(f"guards state: unknown guards {sorted(unknown)}")
+        try:
+            self.consecutive_flushes = int(state.get("consecutive_flushes", 0))
+        except (TypeError, ValueError):
+            raise GuardsError("guards state: consecutive_flushes is not an integer") from None
+        for name, guard in self.guards.items():
+            guard.load_state_dict(saved.get(name, {}))
+
+    def _enabled(self) -> list[Guard]:
+        return [g for g in self.guards.values() if g.enabled]
+
+    def _all_reduce(self) -> bool:
+        return self.config.all_reduce and distributed.initialized()
+
+
+def guarded_step(engine, policy: GuardPolicy, batch: TransportBatch) -> tuple[StepReport, Verdict]:
+    """Before-hooks, accumulate, after-hooks, then `engine.apply()` on PASS/WARN or
+    `engine.flush()` on FLUSH/HALT (`engine.skip(batch)` when a before-hook asks). After an
+    apply the weights must be finite (HALT if not). `verdict.outcome` says what happened:
+    "applied", "flushed" or "skipped"; `report.phase_seconds["guards"]` is the guards' time."""
+    guard_seconds = 0.0
+    started = time.perf_counter()
+    per_micro = getattr(engine.config, "accounting_fault", "none") != "none"
+    run_batch, findings, skip = policy.before(batch, per_micro_accounting=per_micro)
+    guard_seconds += time.perf_counter() - started
+    if skip:
+        report = engine.skip(batch)
+        started = time.perf_counter()
+        verdict = policy.decide(findings)
+        verdict.outcome = "skipped"
+        report.phase_seconds["guards"] = guard_seconds + time.perf_counter() - started
+        return report, verdict
+    report = engine.accumulate(run_batch)
+    started = time.perf_counter()
+    verdict = policy.decide(findings + policy.after(run_batch, report))
+    guard_seconds += time.perf_counter() - started
+    if verdict.action >= Action.FLUSH:
+        engine.flush()
+        verdict.outcome = "flushed"
+    else:
+        engine.apply()
+        verdict.outcome = "applied"
+        started = time.perf_counter()
+        found = policy.check_weights(list(engine.model.parameters()))
+        if found:
+            verdict.findings += found
+            verdict.action = max(verdict.action, *(f.action for f in found))
+        guard_seconds += time.perf_counter() - started
+    report.phase_seconds["guards"] = guard_seconds
+    return report, verdict
