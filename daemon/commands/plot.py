@@ -32,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--run-dir", default=DEFAULT_RUN_DIR, help="run directory (default: %(default)s)"
     )
+    p.add_argument("--store-url", default="", help="store URL (default: the run dir's)")
     p.add_argument("--out", required=True, help="directory for the PNG files (created)")
     p.set_defaults(handler=_plot)
 
@@ -51,7 +52,7 @@ class RunSeries:
     incidents: list[tuple[int, int, str]] = field(default_factory=list)  # (id, step, action)
 
 
-def load_series(run_dir: str | Path) -> RunSeries:
+def load_series(run_dir: str | Path, store_url: str = "") -> RunSeries:
     """Read the recorded steps and incidents of `run_dir` from its store (read-only).
 
     Raises ForensicsError when there is no store, its schema is not this grpod's, or it
@@ -63,7 +64,7 @@ def load_series(run_dir: str | Path) -> RunSeries:
     from forensics.models import Step
     from forensics.store import Store
 
-    store = Store(run_dir, create=False)
+    store = Store(run_dir, store_url, create=False)
     try:
         store.check_schema()
         with store.session() as session:
@@ -255,7 +256,7 @@ def render(series: RunSeries, out_dir: str | Path, title: str = "") -> list[Path
 
 
 def _plot(args: argparse.Namespace) -> int:
-    series = load_series(args.run_dir)
+    series = load_series(args.run_dir, args.store_url)
     title = (
         f"grpod {Path(args.run_dir).resolve().name}: steps {series.steps[0]}..{series.steps[-1]}"
     )
