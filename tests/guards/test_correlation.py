@@ -1,0 +1,70 @@
+import math
+
+import pytest
+
+from guards import Action
+from guards.config import CorrelationConfig
+from guards.correlation import GradNormVTCCorrelationGuard
+from tests.guards.helpers import batch, report
+
+
+def feed(guard, pairs):
+    out = []
+    for grad_norm, valid in pairs:
+        out = guard.after(batch(), report(grad_norm=grad_norm, valid_tokens=valid))
+    return out
+
+
+def test_empty_and_short_windows_read_none() -> None:
+    guard = GradNormVTCCorrelationGuard(CorrelationConfig())
+    assert guard.value is None
+    assert feed(guard, [(1.0 / v, v) for v in range(1, 16)]) == []  # 15 < min 16
+    assert guard.value is None
+    (finding,) = feed(guard, [(1.0 / 16, 16)])  # the 16th step: perfectly 1/valid
+    assert guard.value == pytest.approx(1.0) and finding.action is Action.WARN
+
+
+def test_single_step_history_reads_none() -> None:
+    guard = GradNormVTCCorrelationGuard(CorrelationConfig(min_steps=2, window=2))
+    feed(guard, [(1.0, 4)])
+    assert guard.value is None
+
+
+def test_a_scale_independent_grad_norm_does_not_warn() -> None:
+    guard = GradNormVTCCorrelationGuard(CorrelationConfig())
+    pairs = [(0.5 + 0.1 * ((7 * i) % 5), 100 + (i % 7)) for i in range(64)]
+    assert feed(guard, pairs) == []
+    assert guard.value is not None and abs(guard.value) < 0.5
+
+
+def test_exactly_at_the_threshold_does_not_warn_and_just_above_does() -> None:
+    # two points per level: corr of x with y = x + noise is set by construction
+    xs = [0.0, 1.0] * 8
+    ys = [0.0, 1.0] * 8
+    ys[0] = 0.5  # lower the correlation a little
+    guard = GradNormVTCCorrelationGuard(CorrelationConfig(min_steps=16, window=16))
+    feed(guard, [(1.0 + y, round(1.0 / (0.1 + x * 0.4) * 1000)) for x, y in zip(xs, ys)])
+    value = guard.value
+    assert value is not None and 0.0 < value < 1.0
+    at = GradNormVTCCorrelationGuard(CorrelationConfig(threshold=value, min_steps=16, window=16))
+    above = GradNormVTCCorrelationGuard(
+        CorrelationConfig(threshold=math.nextafter(value, -1.0), min_steps=16, window=16)
+    )
+    at.load_state_dict(guard.state_dict())
+    above.load_state_dict(guard.state_dict())
+    assert at.after(batch(), report(grad_norm=0.0)) == []  # a zero-grad step adds no point
+    assert len(above.after(batch(), report(grad_norm=0.0))) == 1
+
+
+def test_uninformative_steps_are_not_recorded() -> None:
+    guard = GradNormVTCCorrelationGuard(CorrelationConfig())
+    feed(guard, [(0.0, 10), (math.nan, 10), (math.inf, 10), (1.0, 0)])
+    assert len(guard.grad_norms) == 0
+
+
+def test_window_is_bounded_and_survives_a_reload() -> None:
+    guard = GradNormVTCCorrelationGuard(CorrelationConfig())
+    feed(guard, [(1.0 / v, v) for v in range(1, 101)])
+    assert len(guard.grad_norms) == 64
+    guard.configure(CorrelationConfig(window=32, min_steps=16))
+    assert len(guard.grad_norms) == 32 and guard.value == pytest.approx(1.0)

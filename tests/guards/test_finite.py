@@ -1,0 +1,61 @@
+import math
+
+import torch
+
+from guards import Action
+from guards.config import FiniteConfig
+from guards.finite import FiniteGuard
+from tests.guards.helpers import batch, report
+
+GUARD = FiniteGuard(FiniteConfig())
+
+
+def messages(findings) -> list[str]:
+    assert all(f.action is Action.FLUSH for f in findings)
+    return [f.message for f in findings]
+
+
+def test_a_healthy_step_passes() -> None:
+    assert GUARD.after(batch(), report()) == []
+
+
+def test_non_finite_loss_micro_loss_and_grad_norm_flush() -> None:
+    assert messages(GUARD.after(batch(), report(loss=math.nan))) == ["loss is nan"]
+    found = GUARD.after(batch(), report(micro_losses=[0.1, math.inf]))
+    assert messages(found) == ["1 micro losses are non-finite (first: micro 1)"]
+    assert messages(GUARD.after(batch(), report(grad_norm=math.inf))) == ["grad norm is inf"]
+
+
+def test_non_finite_reward_flushes() -> None:
+    found = GUARD.after(batch(rewards=[1.0, math.nan]), report())
+    assert messages(found) == ["1 rewards are non-finite"]
+
+
+def test_non_finite_values_count_only_on_trainable_tokens() -> None:
+    b = batch([[0, 1, 1, 0]])
+    b.advantages[0, 0, 0] = math.nan  # a prompt token: not trained, not a fault
+    b.sampler_logprobs[0, 0, 3] = -math.inf
+    assert GUARD.after(b, report()) == []
+    b.advantages[0, 0, 1] = math.nan
+    b.sampler_logprobs[0, 0, 2] = math.nan
+    found = messages(GUARD.after(b, report()))
+    assert found == [
+        "1 trainable tokens have a non-finite advantage",
+        "1 trainable tokens have a non-finite sampler_logprob",
+    ]
+
+
+def test_sentinel_logprobs_flush_at_and_below_the_limit() -> None:
+    for value in (-9999.0, -1e4, -1000.0):  # the engine's sentinel, the classic one, the limit
+        found = GUARD.after(batch(sampler=value), report())
+        assert len(found) == 1 and "sentinel" in found[0].message
+        assert found[0].evidence["sentinel_tokens"] == 2
+    assert GUARD.after(batch(sampler=-999.0), report()) == []  # just above: a real logprob
+    assert GUARD.after(batch(sampler=None), report()) == []  # no sampler logprobs at all
+
+
+def test_weights_check_halts_on_non_finite_weights() -> None:
+    good = [torch.zeros(3), torch.ones(2, 2)]
+    assert GUARD.check_weights(good) == []
+    (finding,) = GUARD.check_weights([*good, torch.tensor([1.0, math.nan])])
+    assert finding.action is Action.HALT and finding.evidence["nonfinite_tensors"] == 1

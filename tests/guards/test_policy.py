@@ -1,0 +1,144 @@
+import json
+import math
+import warnings
+
+import pytest
+
+from engine import Engine, EngineConfig
+from guards import Action, GuardPolicy, GuardsConfig, GuardsError, guarded_step
+from guards.policy import GUARD_CLASSES
+from tests.guards.helpers import batch, report
+
+TINY = dict(task="arith", prompts_per_step=2, group_size=4, seq_len=32)
+
+
+def engine(**overrides: object) -> Engine:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Engine(EngineConfig.model_validate({**TINY, **overrides}))
+
+
+def judge(policy: GuardPolicy, **fields: object):
+    b = batch()
+    return policy.decide(policy.after(b, report(**fields)))
+
+
+def test_fixed_order_and_one_verdict() -> None:
+    assert [c.name for c in GUARD_CLASSES] == [
+        "reorder",
+        "accounting",
+        "finite",
+        "gradnorm_vtc_correlation",
+        "spike",
+        "advantage",
+        "sampler_mismatch",
+        "clip",
+    ]
+    verdict = judge(GuardPolicy(), valid_tokens=0, loss=math.nan, zero_std_group_fraction=1.0)
+    assert verdict.action is Action.FLUSH
+    assert [f.guard for f in verdict.findings] == ["accounting", "finite", "advantage"]
+
+
+def test_disabled_guards_say_nothing() -> None:
+    policy = GuardPolicy({"accounting": {"enabled": False}, "finite": {"enabled": False}})
+    assert judge(policy, valid_tokens=0, loss=math.nan).action is Action.PASS
+
+
+def test_escalation_after_consecutive_flushes_and_reset() -> None:
+    policy = GuardPolicy()
+    actions = [judge(policy, valid_tokens=0).action for _ in range(5)]
+    assert actions == [Action.FLUSH] * 4 + [Action.HALT]
+    assert policy.consecutive_flushes == 5
+    assert judge(policy).action is Action.PASS and policy.consecutive_flushes == 0
+    assert judge(policy, valid_tokens=0).action is Action.FLUSH
+
+
+def test_escalation_can_be_turned_off() -> None:
+    policy = GuardPolicy({"halt_after_consecutive_flushes": 0})
+    assert {judge(policy, valid_tokens=0).action for _ in range(8)} == {Action.FLUSH}
+
+
+def test_state_round_trips_through_json_and_judges_the_same() -> None:
+    first = GuardPolicy()
+    for i in range(40):
+        judge(first, grad_norm=1.0 / (10 + i % 7), valid_tokens=10 + i % 7, loss=0.01 * (i % 3))
+    judge(first, valid_tokens=0)
+    state = json.loads(json.dumps(first.state_dict(), allow_nan=False))
+    second = GuardPolicy()
+    second.load_state_dict(state)
+    assert second.state_dict() == first.state_dict()
+    assert second.gradnorm_vtc_correlation == first.gradnorm_vtc_correlation > 0.8
+    for fields in ({"loss": 5.0}, {"valid_tokens": 0}, {}):
+        assert judge(first, **fields).to_dict() == judge(second, **fields).to_dict()
+
+
+def test_bad_state_and_bad_config_are_guards_errors() -> None:
+    with pytest.raises(GuardsError, match="format"):
+        GuardPolicy().load_state_dict({"guards": {}})
+    state = GuardPolicy().state_dict()
+    state["guards"]["spike"]["windows"]["loss"] = ["x"]
+    with pytest.raises(GuardsError, match="spike"):
+        GuardPolicy().load_state_dict(state)
+    with pytest.raises(GuardsError, match=r"clip\.window"):
+        GuardPolicy({"clip": {"window": 0}})
+    with pytest.raises(GuardsError, match="nonsense"):
+        GuardPolicy({"nonsense": 1})
+
+
+def test_reload_changes_thresholds_and_keeps_history() -> None:
+    policy = GuardPolicy()
+    for i in range(20):
+        judge(policy, grad_norm=1.0 / (10 + i % 5), valid_tokens=10 + i % 5)
+    before = policy.gradnorm_vtc_correlation
+    assert before is not None and before > 0.8
+    policy.reload(GuardsConfig.model_validate({"gradnorm_vtc_correlation": {"threshold": 1.0}}))
+    assert policy.gradnorm_vtc_correlation == before
+    assert judge(policy, grad_norm=0.0).by("gradnorm_vtc_correlation") == []
+    policy.reload({"accounting": {"mode": "nonzero"}})
+    assert judge(policy, valid_tokens=9).action is Action.PASS
+
+
+def test_guarded_step_applies_flushes_and_keeps_a_flushed_policy_bit_identical() -> None:
+    eng = engine(fault_nan_loss_steps=[1])
+    policy = GuardPolicy()
+    digest = eng.state_digest()
+    report0, verdict0 = guarded_step(eng, policy, eng.rollout())
+    assert verdict0.outcome == "applied" and verdict0.action < Action.FLUSH
+    assert eng.state_digest() != digest and "guards" in report0.phase_seconds
+    digest = eng.state_digest()
+    report1, verdict1 = guarded_step(eng, policy, eng.rollout())
+    assert verdict1.outcome == "flushed" and verdict1.by("finite")
+    assert eng.state_digest() == digest and eng.step == 2
+    assert math.isnan(report1.loss)
+
+
+def test_non_finite_weights_after_an_apply_halt() -> None:
+    # the finite guard told to let a step with an inf gradient through: the apply poisons
+    # the weights, and the weights check halts
+    eng = engine(fault_inf_grad_steps=[0])
+    policy = GuardPolicy({"finite": {"action": "PASS"}})
+    _, verdict = guarded_step(eng, policy, eng.rollout())
+    assert verdict.outcome == "applied" and verdict.action is Action.HALT
+    assert (
+        verdict.findings[-1].guard == "finite" and "weight tensors" in verdict.findings[-1].message
+    )
+
+
+def test_skip_fast_skips_the_compute_and_advances_the_cursor() -> None:
+    eng = engine(
+        task="kv-retrieval",
+        seq_len=256,
+        sequence_chunks=4,
+        prompts_per_step=1,
+        group_size=2,
+        micro_batch_rows=1,
+        max_new_tokens=1,
+        long_prompt_batch_fraction=1.0,
+        accounting_fault="last_micro_first_chunk",
+    )
+    policy = GuardPolicy()
+    digest = eng.state_digest()
+    report, verdict = guarded_step(eng, policy, eng.rollout())
+    assert verdict.outcome == "skipped" and report.skipped_compute
+    assert verdict.action is Action.FLUSH and verdict.by("reorder")
+    assert policy.skip_fast_total == 1 and eng.step == 1 and eng.state_digest() == digest

@@ -1,0 +1,76 @@
+import math
+
+from guards import Action
+from guards.config import SpikeConfig
+from guards.spike import SpikeGuard
+from tests.guards.helpers import batch, report
+
+
+def warm(guard: SpikeGuard, n: int) -> None:
+    for i in range(n):  # loss alternates 0.5 / 1.5: mean 1.0, std 0.5, exactly
+        assert guard.after(batch(), report(loss=0.5 if i % 2 else 1.5, grad_norm=0.5)) == []
+
+
+def test_no_judgement_before_min_steps() -> None:
+    guard = SpikeGuard(SpikeConfig())
+    warm(guard, 31)
+    assert guard.zscore("loss", 100.0) is None
+    assert guard.after(batch(), report(loss=100.0)) == []
+
+
+def test_empty_window_reads_none() -> None:
+    assert SpikeGuard(SpikeConfig()).zscore("loss", 1.0) is None
+
+
+def test_exactly_at_threshold_passes_above_warns() -> None:
+    guard = SpikeGuard(SpikeConfig())
+    warm(guard, 32)
+    assert guard.zscore("loss", 4.0) == 6.0
+    warmed = guard.state_dict()
+    assert guard.after(batch(), report(loss=4.0, grad_norm=0.5)) == []  # z == 6: not above
+    guard.load_state_dict(warmed)
+    (finding,) = guard.after(batch(), report(loss=4.0001, grad_norm=0.5))
+    assert finding.action is Action.WARN and finding.evidence["zscore"] > 6.0
+    guard.load_state_dict(warmed)
+    assert guard.after(batch(), report(loss=-2.0001, grad_norm=0.5))[0].evidence["zscore"] > 6
+
+
+def test_spike_on_grad_norm_and_kl_low_side_too() -> None:
+    guard = SpikeGuard(SpikeConfig())
+    for i in range(40):
+        guard.after(batch(), report(loss=1.0, grad_norm=1.0 + 0.01 * (i % 3), kl=0.01))
+    found = guard.after(batch(), report(loss=1.0, grad_norm=500.0, kl=-5.0))
+    assert sorted(f.message.split()[0] for f in found) == ["grad_norm", "kl"]
+
+
+def test_a_flagged_value_stays_out_of_the_baseline_until_a_level_shift() -> None:
+    guard = SpikeGuard(SpikeConfig(level_shift_after=3))
+    warm(guard, 32)
+    before = list(guard.windows["loss"].values)
+    assert len(guard.after(batch(), report(loss=50.0, grad_norm=0.5))) == 1
+    assert list(guard.windows["loss"].values) == before
+    assert len(guard.after(batch(), report(loss=50.0, grad_norm=0.5))) == 1
+    assert len(guard.after(batch(), report(loss=50.0, grad_norm=0.5))) == 1  # 3rd: accepted
+    assert guard.windows["loss"].values[-1] == 50.0
+
+
+def test_non_finite_and_missing_values_are_skipped() -> None:
+    guard = SpikeGuard(SpikeConfig())
+    warm(guard, 32)
+    assert guard.after(batch(), report(loss=math.nan, grad_norm=math.inf, kl=None)) == []
+    assert len(guard.windows["loss"]) == 32 and len(guard.windows["kl"]) == 0
+
+
+def test_constant_history_uses_the_std_floor() -> None:
+    guard = SpikeGuard(SpikeConfig(metrics=("loss",)))
+    for _ in range(32):
+        guard.after(batch(), report(loss=0.0))
+    assert guard.after(batch(), report(loss=0.0)) == []
+    assert len(guard.after(batch(), report(loss=1e-3))) == 1  # 1000 sigma of the 1e-6 floor
+
+
+def test_window_is_bounded_and_action_configurable() -> None:
+    guard = SpikeGuard(SpikeConfig(window=40, min_steps=32, action="FLUSH"))
+    warm(guard, 100)
+    assert len(guard.windows["loss"]) == 40
+    assert guard.after(batch(), report(loss=10.0, grad_norm=0.5))[0].action is Action.FLUSH
