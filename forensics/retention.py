@@ -121,7 +121,9 @@ def gc(
             pinned_steps: set[int] = set()
             for incident, steps in _pins(store, session):
                 pinned_steps |= {s.id for s in steps} | {incident.step_id}
-            steps = session.scalars(select(Step).where(Step.run_id.in_(runs))).all()
+            steps = session.execute(  # (id, step, digest) only: reports can be large
+                select(Step.id, Step.step, Step.batch_digest).where(Step.run_id.in_(runs))
+            ).all()
             other_runs = set(
                 session.scalars(select(Step.batch_digest).where(Step.run_id.not_in(runs)))
             )
