@@ -1,8 +1,9 @@
-"""One real, tiny `grpod run` shared by the scrape and plot tests (2 CPU cores: run it once).
+"""Real, tiny `grpod run`s shared by the scrape and plot tests (2 CPU cores: each runs once).
 
-The daemon runs as a subprocess on an ephemeral port with one injected NaN-loss step, so
-its scrape carries findings and an incident; it lingers after its last step so the final
-state can be scraped, then gets SIGTERM. Its run directory is what `grpod plot` renders.
+Each daemon runs as a subprocess on an ephemeral port and lingers after its loop stops so
+its final state can be scraped, then gets SIGTERM. `daemon_run` goes to max_steps with one
+injected NaN-loss step (its scrape carries findings and an incident; its run directory is
+what `grpod plot` renders); `halted_run` has the reversed-chunk accounting fault and halts.
 """
 
 from __future__ import annotations
@@ -40,6 +41,28 @@ linger_seconds = 120
 log_format = "json"
 progress = "off"
 """
+# The W2 accounting workload cut down for CPU (as guards' vtc-last-chunk drill), faulty.
+HALT_CONFIG = """
+[engine]
+task = "kv-retrieval"
+seq_len = 256
+sequence_chunks = 4
+lmhead_chunks = 4
+prompts_per_step = 2
+group_size = 4
+micro_batch_rows = 2
+max_new_tokens = 2
+threads = 1
+accounting_fault = "last_micro_first_chunk"
+
+[daemon]
+max_steps = 20
+metrics_host = "127.0.0.1"
+metrics_port = 0
+linger_seconds = 120
+log_format = "json"
+progress = "off"
+"""
 START_TIMEOUT_SECONDS = 180
 RUN_TIMEOUT_SECONDS = 300
 
@@ -49,7 +72,7 @@ class DaemonRun:
     run_dir: Path
     metrics_url: str
     scrape: str  # the /metrics text after the last step
-    exit_code: int
+    exit_code: int  # the loop's, from the "stopped" log event
     log: str  # stdout (JSON lines) and stderr
 
 
@@ -61,14 +84,6 @@ def _get(url: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
     except (urllib.error.URLError, OSError):
         return 0, ""  # not serving (yet, or any more)
-
-
-def _steps_total(scrape: str) -> float:
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in scrape.splitlines()
-        if line.startswith("grpod_steps_total{")
-    )
 
 
 def _read_events(path: Path) -> list[dict]:
@@ -83,10 +98,21 @@ def _read_events(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def daemon_run(tmp_path_factory: pytest.TempPathFactory) -> DaemonRun:
-    """Run the tiny campaign to its end, scrape it while it lingers, stop it."""
-    base = tmp_path_factory.mktemp("grpod_dash")
+    """The tiny campaign run to max_steps (one NaN-loss step flushed), scraped at its end."""
+    return run_daemon(tmp_path_factory.mktemp("grpod_dash"), TINY_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def halted_run(tmp_path_factory: pytest.TempPathFactory) -> DaemonRun:
+    """The reversed-chunk accounting fault on every step: the guards flush (or skip-fast)
+    each one and HALT after `halt_after_consecutive_flushes`; scraped after the halt."""
+    return run_daemon(tmp_path_factory.mktemp("grpod_dash_halt"), HALT_CONFIG)
+
+
+def run_daemon(base: Path, config_text: str) -> DaemonRun:
+    """Run `grpod run` until its loop stops, scrape it while it lingers, SIGTERM it."""
     config = base / "grpod.toml"
-    config.write_text(TINY_CONFIG)
+    config.write_text(config_text)
     run_dir = base / "run"
     stdout, stderr = base / "stdout.jsonl", base / "stderr.txt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -98,44 +124,41 @@ def daemon_run(tmp_path_factory: pytest.TempPathFactory) -> DaemonRun:
             cwd=ROOT, env=env, stdout=out, stderr=err,
         )  # fmt: skip
     try:
-        metrics_url = _wait_for_metrics_url(proc, stdout, stderr)
-        scrape = _wait_for_last_step(proc, metrics_url, stderr)
+        metrics_url = _wait_for_event(proc, stdout, stderr, "started", START_TIMEOUT_SECONDS)[
+            "metrics"
+        ]
+        stopped = _wait_for_event(proc, stdout, stderr, "stopped", RUN_TIMEOUT_SECONDS)
+        status, scrape = _get(metrics_url)  # the loop is over; the daemon lingers
+        assert status == 200, f"no scrape while lingering: HTTP {status}"
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         try:
-            exit_code = proc.wait(timeout=60)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-            exit_code = proc.wait()
+            proc.wait()
     return DaemonRun(
-        run_dir, metrics_url, scrape, exit_code, stdout.read_text() + stderr.read_text()
+        run_dir,
+        str(metrics_url),
+        scrape,
+        int(stopped["exit_code"]),
+        stdout.read_text() + stderr.read_text(),
     )
 
 
-def _wait_for_metrics_url(proc: subprocess.Popen, stdout: Path, stderr: Path) -> str:
-    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+def _wait_for_event(
+    proc: subprocess.Popen, stdout: Path, stderr: Path, name: str, timeout: float
+) -> dict:
+    """The first JSON log event called `name`; fails if the daemon exits or times out first."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for event in _read_events(stdout):
-            if event.get("event") == "started" and event.get("metrics"):
-                return str(event["metrics"])
+            if event.get("event") == name:
+                return event
         if proc.poll() is not None:
-            pytest.fail(f"grpod run exited {proc.returncode} before serving:\n{stderr.read_text()}")
+            pytest.fail(
+                f"grpod run exited {proc.returncode} before {name!r}:\n{stderr.read_text()}"
+            )
         time.sleep(0.5)
-    pytest.fail(f"grpod run logged no metrics URL in {START_TIMEOUT_SECONDS}s")
-
-
-def _wait_for_last_step(proc: subprocess.Popen, metrics_url: str, stderr: Path) -> str:
-    """Scrape until every step is counted and the flight recorder has caught up."""
-    deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
-    health_url = metrics_url.rsplit("/", 1)[0] + "/healthz"
-    while time.monotonic() < deadline:
-        status, scrape = _get(metrics_url)
-        if status == 200 and _steps_total(scrape) >= MAX_STEPS:
-            health, _ = _get(health_url)
-            if health == 503:  # the loop has stopped; the daemon lingers for this scrape
-                return _get(metrics_url)[1]
-        if proc.poll() is not None:
-            pytest.fail(f"grpod run exited {proc.returncode} while running:\n{stderr.read_text()}")
-        time.sleep(0.5)
-    pytest.fail(f"grpod run did not finish {MAX_STEPS} steps in {RUN_TIMEOUT_SECONDS}s")
+    pytest.fail(f"grpod run logged no {name!r} event in {timeout}s")
