@@ -58,3 +58,17 @@ def test_pearson() -> None:
     assert pearson([1, 2, 3, 4], [8, 6, 4, 2]) == pytest.approx(-1.0)
     assert pearson([1, 2], [1, 2]) is None  # too few points
     assert pearson([1, 1, 1], [1, 2, 3]) is None  # no variance
+
+
+def test_plot_shows_the_accounting_fault_of_a_halted_run(
+    halted_run: DaemonRun, tmp_path: Path
+) -> None:
+    """Skipped steps (no grad norm) and flushed ones plot; the counter's misreads show."""
+    from daemon.commands.plot import render
+
+    series = load_series(halted_run.run_dir)
+    assert set(series.outcomes) <= {"flushed", "skipped"} and series.incidents
+    assert any(v != e for v, e in zip(series.valid_tokens, series.expected_valid_tokens))
+    written = render(series, tmp_path)
+    assert [p.name for p in written] == list(PNGS)
+    assert all(p.stat().st_size > 10_000 for p in written)
