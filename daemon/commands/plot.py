@@ -83,13 +83,13 @@ def load_series(run_dir: str | Path, store_url: str = "") -> RunSeries:
         row = last[step]
         series.steps.append(step)
         series.outcomes.append(row.outcome)
-        series.valid_tokens.append(_num(row.valid_tokens))
+        # A skipped step computed nothing: its counter, loss and grad norm are not readings.
+        computed = row.outcome != "skipped"
+        series.valid_tokens.append(_num(row.valid_tokens) if computed else math.nan)
         series.expected_valid_tokens.append(_num(row.expected_valid_tokens))
-        series.loss.append(_num(row.loss))
+        series.loss.append(_num(row.loss) if computed else math.nan)
         series.reward_mean.append(_num(row.reward_mean))
         series.reward_std.append(_num(row.reward_std))
-        # A skipped step computed nothing; its zeros would read as data.
-        computed = row.outcome != "skipped"
         series.grad_norm.append(_num(row.grad_norm) if computed else math.nan)
     return series
 
@@ -148,20 +148,22 @@ def draw_outcomes(series: RunSeries, ax: Any) -> None:
 
 
 def draw_accounting(series: RunSeries, ax: Any) -> None:
-    """Engine valid tokens vs the loss-mask sum; steps where they differ in red."""
+    """Engine valid tokens vs the loss-mask sum; steps where they differ in red (skipped
+    steps computed nothing: a gap in the engine line)."""
     ax.plot(series.steps, series.expected_valid_tokens, color="#7f7f7f", lw=2.5, alpha=0.5,
             label="expected (loss mask)")  # fmt: skip
     ax.plot(series.steps, series.valid_tokens, color="#1f77b4", lw=1.0, label="engine counter")
     bad = [
         (s, v)
         for s, v, e in zip(series.steps, series.valid_tokens, series.expected_valid_tokens)
-        if v != e
+        if math.isfinite(v) and v != e
     ]
     if bad:
         ax.scatter(*zip(*bad), color="#d62728", s=20, zorder=3, label=f"differ ({len(bad)})")
         title = f"token accounting: engine differs from the loss mask on {len(bad)} steps"
     else:
-        title = f"token accounting: engine = loss mask on all {len(series.steps)} steps"
+        computed = sum(math.isfinite(v) for v in series.valid_tokens)
+        title = f"token accounting: engine = loss mask on all {computed} computed steps"
     ax.set_xlabel("step")
     ax.set_ylabel("valid tokens")
     ax.set_title(title, fontsize=10)
