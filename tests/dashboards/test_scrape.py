@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import subprocess
 
+import pytest
+
 from tests.dashboards.conftest import FAULT_STEP, MAX_STEPS, DaemonRun
 from tests.dashboards.helpers import (
     CONTRACT,
@@ -52,10 +54,14 @@ def test_daemon_ran_to_the_end(daemon_run: DaemonRun) -> None:
     assert _value(daemon_run.scrape, "grpod_incidents_total") >= 1, f"fault at {FAULT_STEP}"
 
 
-def test_promtool_check_metrics_on_the_real_scrape(daemon_run: DaemonRun) -> None:
+@pytest.mark.parametrize("run", ["daemon_run", "halted_run"])
+def test_promtool_check_metrics_on_the_real_scrape(
+    run: str, request: pytest.FixtureRequest
+) -> None:
+    scrape = request.getfixturevalue(run).scrape
     result = subprocess.run(
         [promtool(), "check", "metrics"],
-        input=daemon_run.scrape,
+        input=scrape,
         capture_output=True,
         text=True,
         timeout=60,
