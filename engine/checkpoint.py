@@ -34,14 +34,14 @@ def save_checkpoint(
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    weights = {n: p.detach().contiguous().clone() for n, p in engine.model.named_parameters()}
+    weights = {n: p.detach().cpu().contiguous().clone() for n, p in engine.model.named_parameters()}
     save_file(weights, str(tmp / "model.safetensors"))
     opt = engine.optimizer.state_dict()
     tensors, scalars = {}, {}
     for index, state in opt["state"].items():
         for key, value in state.items():
             if torch.is_tensor(value):
-                tensors[f"{index}.{key}"] = value.contiguous()
+                tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
             else:
                 scalars[f"{index}.{key}"] = value
     save_file(tensors, str(tmp / "optimizer.safetensors"))

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 def _head_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> torch.Tensor:
-    with torch.autocast("cpu", enabled=False):
+    with torch.autocast(hidden.device.type, enabled=False):
         logits = hidden.float() @ weight.float().t()
         if temperature != 1.0:
             logits = logits / temperature

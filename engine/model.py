@@ -65,8 +65,17 @@ def load_policy(name: str, chars: str, max_positions: int):
     return model.float(), tokenizer
 
 
-def compute_context(dtype: str) -> contextlib.AbstractContextManager:
+def compute_context(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
     """bf16 autocast for the trunk when asked for, else nothing."""
     if dtype == "bfloat16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` is the first CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise EngineError(f"device {name}: CUDA is not available on this machine")
+    return torch.device(name)

@@ -46,6 +46,7 @@ def sample(
 ) -> Rollout:
     """Sample one completion per prompt (repeat prompts for a group)."""
     n = len(prompts)
+    device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     ids = torch.full((n, width), pad_token_id, dtype=torch.long)
     attn = torch.zeros((n, width), dtype=torch.long)
@@ -53,15 +54,16 @@ def sample(
         ids[i, width - len(p) :] = torch.tensor(p)
         attn[i, width - len(p) :] = 1
     ragged = bool((attn == 0).any())
+    ids, attn = ids.to(device), attn.to(device)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    out_ids = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long)
-    out_lp = torch.zeros((n, max_new_tokens), dtype=torch.float32)
-    alive = torch.ones(n, dtype=torch.bool)
-    lengths = torch.zeros(n, dtype=torch.long)
+    out_ids = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    out_lp = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
+    alive = torch.ones(n, dtype=torch.bool, device=device)
+    lengths = torch.zeros(n, dtype=torch.long, device=device)
     cache = None
     cache_arg = _cache_argument(model)
     step_ids, step_pos = ids, positions
-    with compute_context(dtype):
+    with compute_context(dtype, device):
         for t in range(max_new_tokens):
             out = model(
                 input_ids=step_ids,
@@ -86,9 +88,9 @@ def sample(
             step_ids = token[:, None]
             step_pos = step_pos[:, -1:] + 1
             if ragged:
-                attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype)], dim=1)
-    mask = torch.arange(max_new_tokens)[None, :] < lengths[:, None]
-    return Rollout(out_ids, out_lp, mask)
+                attn = torch.cat([attn, attn.new_ones((n, 1))], dim=1)
+    mask = torch.arange(max_new_tokens, device=device)[None, :] < lengths[:, None]
+    return Rollout(out_ids.cpu(), out_lp.cpu(), mask.cpu())
 
 
 def _cache_argument(model: torch.nn.Module) -> str:

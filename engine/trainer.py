@@ -26,7 +26,7 @@ from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.loss import LossSettings, policy_token_loss, token_logprobs
-from engine.model import compute_context, load_policy
+from engine.model import compute_context, load_policy, resolve_device
 from engine.packing import Sample, attention_mask, pack
 from engine.report import ChunkTrace, StepReport
 from engine.rollout import sample
@@ -48,7 +48,9 @@ class Engine:
                 stacklevel=2,
             )
         self.task = build_task(config.task, config.reward, config.long_prompt_batch_fraction)
+        self.device = resolve_device(config.device)
         self.model, self.tokenizer = load_policy(config.model, self.task.chars, config.seq_len)
+        self.model.to(self.device)
         self.reference = (
             copy.deepcopy(self.model).requires_grad_(False) if config.kl_beta > 0 else None
         )
@@ -94,7 +96,7 @@ class Engine:
             top_p=cfg.top_p,
             eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
-            generator=torch.Generator().manual_seed(step_seed(cfg.seed, generation)),
+            generator=torch.Generator(self.device).manual_seed(step_seed(cfg.seed, generation)),
             dtype=cfg.dtype,
         )
         lengths = out.mask.sum(-1).tolist()
@@ -207,7 +209,9 @@ class Engine:
         started = time.perf_counter()
         if report.clip_coef < 1.0:
             torch.nn.utils.clip_grads_with_norm_(
-                self.params, self.config.max_grad_norm, torch.tensor(report.grad_norm)
+                self.params,
+                self.config.max_grad_norm,
+                torch.tensor(report.grad_norm, device=self.device),
             )
         self.optimizer.step()
         self.scheduler.step()
@@ -256,36 +260,37 @@ class Engine:
             self.counter.start_chunk()
             chunk_tokens = self.counter.add(mask[bounds[c] : bounds[c + 1]])
             index = token_index[cuts[c] : cuts[c + 1]]
+            on_device = index.to(self.device)
             logprobs = token_logprobs(
-                hidden[index - 1],  # token p is scored by the logits at p-1
+                hidden[on_device - 1],  # token p is scored by the logits at p-1
                 head,
-                targets[index],
+                targets[on_device],
                 chunks=self.config.lmhead_chunks,
                 temperature=self.config.temperature,
             )
-            old = (
-                logprobs.detach()
-                if batch.old_logprobs is None
-                else _flat(batch.old_logprobs, micro)[index]
-            )
-            sampler = (
-                None
-                if batch.sampler_logprobs is None
-                else _flat(batch.sampler_logprobs, micro)[index]
-            )
+            old = logprobs.detach()
+            if batch.old_logprobs is not None:
+                old = self._gather(batch.old_logprobs, micro, index)
+            sampler = None
+            if batch.sampler_logprobs is not None:
+                sampler = self._gather(batch.sampler_logprobs, micro, index)
             token_loss = policy_token_loss(
                 logprobs,
                 old,
-                _flat(batch.advantages, micro)[index],
+                self._gather(batch.advantages, micro, index),
                 self.loss_settings,
                 sampler_logprobs=sampler,
-                ref_logprobs=None if reference is None else _flat(reference, micro)[index],
+                ref_logprobs=None if reference is None else self._gather(reference, micro, index),
             )
             chunk_loss = token_loss.loss.sum()
             micro_loss = micro_loss + chunk_loss
             stats.add_chunk(micro, c, chunk_tokens, chunk_loss, self.counter, token_loss)
             stats.add_logprobs(logprobs.detach(), sampler)
         return micro_loss
+
+    def _gather(self, tensor: torch.Tensor, micro: int, index: torch.Tensor) -> torch.Tensor:
+        """Host tensor `[micros, rows, seq]` -> the micro's values at flat `index`, on device."""
+        return tensor[micro].reshape(-1)[index].to(self.device, non_blocking=True)
 
     def _forward(
         self, model: torch.nn.Module, batch: TransportBatch, micro: int
@@ -294,18 +299,18 @@ class Engine:
         sample_ids = batch.sample_ids[micro]
         used = int((sample_ids >= 0).any(-1).sum())  # trailing all-padding rows are skipped
         seq = batch.seq_len
-        with compute_context(self.config.dtype):
+        with compute_context(self.config.dtype, self.device):
             hidden = model.base_model(
-                input_ids=batch.input_ids[micro, :used],
-                position_ids=batch.position_ids[micro, :used],
-                attention_mask=attention_mask(sample_ids[:used]),
+                input_ids=batch.input_ids[micro, :used].to(self.device),
+                position_ids=batch.position_ids[micro, :used].to(self.device),
+                attention_mask=attention_mask(sample_ids[:used].to(self.device)),
                 use_cache=False,
             ).last_hidden_state
         hidden = hidden.reshape(used * seq, -1)
         rows = batch.input_ids.shape[1]
         if used < rows:  # keep flat indices of the full micro valid; padding is never trained
             hidden = torch.cat([hidden, hidden.new_zeros((rows - used) * seq, hidden.shape[-1])])
-        return hidden, batch.input_ids[micro].reshape(-1)
+        return hidden, batch.input_ids[micro].reshape(-1).to(self.device)
 
     @torch.no_grad()
     def score(self, batch: TransportBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
@@ -316,14 +321,15 @@ class Engine:
         for micro in range(batch.num_micros):
             hidden, targets = self._forward(model, batch, micro)
             index = batch.loss_mask[micro].reshape(-1).nonzero().squeeze(-1)
+            on_device = index.to(self.device)
             logprobs = token_logprobs(
-                hidden[index - 1],
+                hidden[on_device - 1],
                 head,
-                targets[index],
+                targets[on_device],
                 chunks=self.config.lmhead_chunks,
                 temperature=self.config.temperature,
             )
-            out[micro].view(-1)[index] = logprobs
+            out[micro].view(-1)[index] = logprobs.cpu()
         return out
 
     def _encode_prompt(self, text: str) -> list[int]:
@@ -455,7 +461,7 @@ def _mismatch(trainer: list[torch.Tensor], sampler: list[torch.Tensor]) -> dict[
     keys = ("mean", "p90", "p99", "max", "frac_above_0_1")
     if not sampler or not trainer:
         return {f"mismatch_{k}": None for k in keys}
-    delta = (torch.cat(sampler) - torch.cat(trainer)).abs().double()
+    delta = (torch.cat(sampler).cpu() - torch.cat(trainer).cpu()).abs().double()
     if delta.numel() == 0:
         return {f"mismatch_{k}": None for k in keys}
     q = torch.quantile(delta, torch.tensor([0.9, 0.99], dtype=torch.float64)).tolist()
@@ -470,10 +476,6 @@ def _chunk_bounds(length: int, chunks: int) -> list[int]:
     for c in range(chunks):
         bounds.append(bounds[-1] + base + (1 if c < extra else 0))
     return bounds
-
-
-def _flat(tensor: torch.Tensor, micro: int) -> torch.Tensor:
-    return tensor[micro].reshape(-1)
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
