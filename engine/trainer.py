@@ -29,7 +29,7 @@ from engine.loss import LossSettings, policy_token_loss, token_logprobs
 from engine.model import compute_context, load_policy, resolve_device
 from engine.packing import Sample, attention_mask, pack
 from engine.report import ChunkTrace, StepReport
-from engine.rollout import sample
+from engine.rollout import Rollout, sample
 from engine.tasks import build_task
 
 SENTINEL_LOGPROB = -9999.0
@@ -74,6 +74,7 @@ class Engine:
         )
         self.config_digest = config.digest()
         self.step = 0  # the next batch to roll out (the data cursor)
+        self.vllm = None  # built on first use: rollout_backend = "vllm" (GPU nodes)
         self.rollout_cache: TransportBatch | None = None  # epochs > 1: this generation's batch
         self._pending: StepReport | None = None
 
@@ -88,16 +89,9 @@ class Engine:
         started = time.perf_counter()
         prompts = self.task.prompts_for_step(generation, cfg.prompts_per_step, cfg.seed)
         prompt_ids = [self._encode_prompt(p.text) for p in prompts]
-        out = sample(
-            self.model,
+        out = self._sample(
             [ids for ids in prompt_ids for _ in range(cfg.group_size)],
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-            generator=torch.Generator(self.device).manual_seed(step_seed(cfg.seed, generation)),
-            dtype=cfg.dtype,
+            step_seed(cfg.seed, generation),
         )
         lengths = out.mask.sum(-1).tolist()
         rewards = torch.tensor(
@@ -331,6 +325,26 @@ class Engine:
             )
             out[micro].view(-1)[index] = logprobs.cpu()
         return out
+
+    def _sample(self, prompts: list[list[int]], seed: int) -> Rollout:
+        """Completions from the configured backend: the torch sampler, or vLLM on GPU nodes."""
+        cfg = self.config
+        settings = dict(
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        if cfg.rollout_backend == "vllm":
+            if self.vllm is None:
+                from engine.rollout_vllm import VLLMSampler
+
+                self.vllm = VLLMSampler(self.model, cfg)
+            self.vllm.sync(self.model)
+            return self.vllm.sample(prompts, seed=seed, **settings)
+        generator = torch.Generator(self.device).manual_seed(seed)
+        return sample(self.model, prompts, generator=generator, dtype=cfg.dtype, **settings)
 
     def _encode_prompt(self, text: str) -> list[int]:
         try:
