@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: venv
-	$(BIN)/grpod run --max-steps 40 --run-dir var/grpod/demo
+	$(BIN)/grpod run --max-steps 40
 
 test: venv promtool postgres
 	PATH=$(CURDIR)/$(TOOLS):$$PATH GRPOD_TEST_PG_URL=postgresql+psycopg://grpod@127.0.0.1:$(PGPORT)/grpod \

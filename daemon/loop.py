@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -86,10 +87,8 @@ class Daemon:
             raise
         try:
             return self._loop()
-        except AbandonStep as exc:
-            return self._shutdown(
-                128 + int(self.signals.abandon_signal or 15), f"abandoned ({exc})", checkpoint=False
-            )
+        except AbandonStep:
+            return self._abandon("the step in flight was dropped")
         except Exception as exc:
             self.log.error("failed", error=f"{type(exc).__name__}: {exc}")
             return self._shutdown(EXIT_FAILURE, f"failed: {exc}", checkpoint=False)
@@ -108,6 +107,8 @@ class Daemon:
                 link_latest(plan.link_latest, plan.run_dir.path)
         self.recorder = FlightRecorder(plan.run_dir.path, cfg.forensics)
         restored = self._restore()
+        if self.progress is not None:
+            self.progress.start = self.engine.step
         self.recorder.start_run(plan.run_id, cfg.to_json(), self.versions, _device())
         if self.server is not None:
             self.server.start()
@@ -157,18 +158,15 @@ class Daemon:
             with logs.step_context(self.engine.step):
                 action = self._step()
             if self.signals.abandon_signal is not None:
-                signal_name = f"signal {self.signals.abandon_signal}"
-                return self._shutdown(
-                    128 + self.signals.abandon_signal,
-                    f"abandoned on {signal_name}",
-                    checkpoint=False,
-                )
+                break  # a second stop signal while recording: exit now, no checkpoint
             if action == Action.HALT:
                 return self._shutdown(
                     EXIT_HALT, f"HALT at step {self.engine.step - 1}: {self.last_verdict}"
                 )
             if self.engine.step % every == 0:
                 self._checkpoint("periodic")
+        if self.signals.abandon_signal is not None:
+            return self._abandon("after the step in flight")
         if self.signals.stop_requested:
             name = "SIGINT" if self.signals.stop_signal == 2 else "SIGTERM"
             return self._shutdown(EXIT_OK, f"stopped by {name}")
@@ -305,6 +303,12 @@ class Daemon:
         self._linger()
         self._close_quietly()
         return code
+
+    def _abandon(self, what: str) -> int:
+        """A second stop signal: no checkpoint; the next start re-runs from the last one."""
+        signum = self.signals.abandon_signal or signal.SIGTERM
+        reason = f"second {signal.Signals(signum).name}: {what}, exiting without a checkpoint"
+        return self._shutdown(128 + signum, reason, checkpoint=False)
 
     def _linger(self) -> None:
         """Keep /metrics up (with /healthz 503) for `linger_seconds`; a new stop signal ends it."""

@@ -46,7 +46,7 @@ def _status(args: argparse.Namespace) -> int:
         f"incidents {result.get('incidents', 0)}; latest checkpoint step "
         f"{result.get('checkpoint_step')}; last verdict {result.get('last_verdict')}",
     ]
-    if result.get("metrics"):
+    if result.get("metrics") and result.get("state") == "running":
         lines.append(f"metrics {result['metrics']}")
     print("\n".join(lines))
     return 0

@@ -11,6 +11,7 @@ import socket
 import sqlite3
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -241,3 +242,27 @@ HALT_ENGINE = {
     "threads": 1,
     "fault_nan_loss_steps": [1, 2],
 }
+
+
+def test_second_sigterm_drops_the_step_and_exits_without_checkpoint(
+    tmp_path: Path, uninterrupted: str
+) -> None:
+    config = tiny_config(tmp_path / "grpod.toml", free_port(), checkpoint_every=100)
+    g = Grpod(["--config", str(config), "--run-dir", "run", "--max-steps", "50"], tmp_path)
+    g.wait_step(2)
+    g.signal(signal.SIGTERM)  # lands in step 3's compute; the second drops that step
+    time.sleep(0.05)  # two pending SIGTERMs would merge into one
+    g.signal(signal.SIGTERM)
+    assert g.wait() == 128 + signal.SIGTERM, g.stderr
+    stopped = g.event("stopped")
+    assert stopped["reason"].startswith("second SIGTERM")
+    events = [e["event"] for e in g.events]
+    assert "checkpoint" not in events[events.index("stopping") :]
+    recorded = {s for s, *_ in recorded_steps(tmp_path / "run")}
+    assert stopped["next_step"] - 1 not in recorded or stopped["next_step"] - 1 == max(recorded)
+
+    resumed = run_to_end(
+        ["--config", str(config), "--run-dir", "run", "--max-steps", str(STEPS)], tmp_path
+    )
+    assert resumed.event("started")["resumed_from"] == 0
+    assert resumed.event("stopped")["state_digest"] == uninterrupted
