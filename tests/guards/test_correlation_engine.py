@@ -1,0 +1,61 @@
+"""The gradnorm_vtc_correlation guard on the real engine: a counter that reads chunk 0 of the
+last micro makes the grad norm follow 1/valid_tokens; the step-level counter does not.
+
+The W2 geometry (kv-retrieval prompts of 20..245 tokens, rows of 256, 4 sequence chunks, 4 head
+chunks) with one change: the reward is 1 for any leading digit. With the W2 reward a random
+policy almost never answers, so at test size too few steps carry a gradient to fill the
+guard's 16-step minimum; this reward gives most steps one.
+"""
+
+import json
+import warnings
+from pathlib import Path
+
+from engine import Engine, EngineConfig
+from engine.tasks import KVRetrievalTask
+from guards import GuardPolicy, guarded_step
+
+STEPS = 24
+
+
+def w2_dense(tmp_path: Path, **overrides: object) -> Engine:
+    path = tmp_path / "kv.jsonl"
+    prompts = KVRetrievalTask().prompts_for_step(0, 128, 0)
+    path.write_text(
+        "".join(json.dumps({"prompt": p.text, "answer": p.answer}) + "\n" for p in prompts)
+    )
+    config = dict(
+        task=str(path),
+        reward="tests.guards.rewards:digit_first",
+        seq_len=256,
+        sequence_chunks=4,
+        lmhead_chunks=4,
+        max_new_tokens=2,
+        prompts_per_step=2,
+        group_size=4,
+        micro_batch_rows=4,  # chunk 0 of a micro is its first row: the faulty read is never 0
+        **overrides,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Engine(EngineConfig.model_validate(config))
+
+
+def run(engine: Engine, policy: GuardPolicy) -> set[str]:
+    return {guarded_step(engine, policy, engine.rollout())[1].outcome for _ in range(STEPS)}
+
+
+def test_faulty_unreordered_run_reads_above_threshold(tmp_path: Path) -> None:
+    engine = w2_dense(tmp_path, accounting_fault="last_micro_first_chunk")
+    policy = GuardPolicy({"reorder": {"enabled": False}, "halt_after_consecutive_flushes": 0})
+    assert run(engine, policy) == {"flushed"}  # strict accounting flushes every faulty step
+    assert policy.gradnorm_vtc_correlation is not None
+    assert policy.gradnorm_vtc_correlation > 0.8
+
+
+def test_healthy_run_reads_below_threshold(tmp_path: Path) -> None:
+    engine = w2_dense(tmp_path)
+    policy = GuardPolicy()
+    assert run(engine, policy) == {"applied"}
+    value = policy.gradnorm_vtc_correlation
+    assert value is not None and value < 0.8
