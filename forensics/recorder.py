@@ -13,6 +13,7 @@ import json
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -73,6 +74,7 @@ class FlightRecorder:
         self.blocked_total = 0  # record() calls that found the queue full and waited
         self.recorded_total = 0  # steps committed by the writer
         self.incidents_total = 0  # incidents opened by the writer
+        self.write_seconds_total = 0.0  # the writer's busy time (blob files and rows)
         self._error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=self.config.queue_size)
         self._thread = threading.Thread(target=self._write_loop, name="grpod-recorder", daemon=True)
@@ -169,7 +171,9 @@ class FlightRecorder:
                 if item is _STOP:
                     return
                 if self._error is None:  # after a failure, drain so the trainer never hangs
+                    started = time.perf_counter()
                     self._write(item)
+                    self.write_seconds_total += time.perf_counter() - started
             except BaseException as exc:
                 self._error = exc
             finally:
