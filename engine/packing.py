@@ -118,3 +118,124 @@ def attention_mask(sample_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     eye = torch.eye(seq, dtype=torch.bool)
     return ((same & causal) | eye)[:, None]
+
+
+@dataclass(frozen=True)
+class TrunkLayout:
+    """What one micro runs through the trunk, and where each micro position's state comes from.
+
+    Siblings of a GRPO group carry identical prompts, and a sample's last token is never
+    read (nothing after it is scored). The trunk therefore runs each distinct prompt of a
+    micro once, followed by every sample's completion tokens up to the one before its last
+    trainable token; a completion attends to its shared prompt and to itself only, which is
+    exactly what it sees in its own packed row. `source[p]` is the row of the flattened
+    trunk output holding the state of micro position p (a final all-zero row for positions
+    that are not run: padding and tokens after a sample's last scoring position).
+    """
+
+    input_ids: torch.Tensor  # [rows', width] int64
+    position_ids: torch.Tensor  # [rows', width] int64
+    attention_mask: torch.Tensor  # [rows', 1, width, width] bool
+    source: torch.Tensor  # [rows * seq] int64 into the flattened [rows' * width + 1, H] output
+    tokens: int  # real (non-padding) tokens run
+
+
+def trunk_layout(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    sample_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+) -> TrunkLayout:
+    """The shared-prompt, tail-free trunk layout of one micro (`[rows, seq]` inputs)."""
+    rows, seq = input_ids.shape
+    ids = input_ids.reshape(-1).tolist()
+    pos = position_ids.reshape(-1).tolist()
+    sid = sample_ids.reshape(-1)
+    # each sample's span [start, end) and its first / last trainable position
+    values, counts = torch.unique_consecutive(sid, return_counts=True)
+    spans: dict[int, list[int]] = {}
+    at = 0
+    for s, n in zip(values.tolist(), counts.tolist()):
+        if s >= 0:
+            spans[s] = [at, at + n, -1, -1]
+        at += n
+    owner = sid.tolist()
+    for p in loss_mask.reshape(-1).nonzero().squeeze(-1).tolist():
+        span = spans.get(owner[p])
+        if span is None:
+            return _plain_layout(input_ids, position_ids, sample_ids)
+        if span[2] < 0:
+            span[2] = p
+        span[3] = p
+    # units: one per distinct (prompt tokens, prompt positions); members in micro order
+    units: dict[tuple, list[list[int]]] = {}
+    for start, _, first, last in spans.values():
+        if first < 0:
+            continue  # nothing scored in this sample: it is not run at all
+        if first == start:  # token p scored by p-1 outside the sample: keep the plain layout
+            return _plain_layout(input_ids, position_ids, sample_ids)
+        key = (tuple(ids[start:first]), tuple(pos[start:first]))
+        units.setdefault(key, []).append([start, first, last])
+    if not units:
+        return _plain_layout(input_ids, position_ids, sample_ids)
+    lengths = [
+        (first - start) + sum(m_last - m_first for _, m_first, m_last in members)
+        for members in units.values()
+        for start, first, _ in members[:1]
+    ]
+    width = max(seq, *lengths)
+    placed = first_fit_decreasing(lengths, width)
+    flat = len(placed) * width
+    c_ids, c_pos = [0] * flat, [0] * flat
+    c_unit, c_member = [-1] * flat, [-1] * flat
+    source = [flat] * (rows * seq)  # the zero row appended after the trunk
+    unit_list = list(units.values())
+    member_no = 0
+    for r, unit_indices in enumerate(placed):
+        at = r * width
+        for u in unit_indices:
+            members = unit_list[u]
+            start, first, _ = members[0]
+            prompt_at = at
+            for q in range(start, first):
+                c_ids[at], c_pos[at], c_unit[at] = ids[q], pos[q], u
+                at += 1
+            for m_start, m_first, m_last in members:
+                for k, q in enumerate(range(m_start, m_first)):
+                    source[q] = prompt_at + k
+                for q in range(m_first, m_last):
+                    c_ids[at], c_pos[at], c_unit[at], c_member[at] = ids[q], pos[q], u, member_no
+                    source[q] = at
+                    at += 1
+                member_no += 1
+    shape = (len(placed), width)
+    unit = torch.tensor(c_unit).reshape(shape)
+    member = torch.tensor(c_member).reshape(shape)
+    same_unit = unit[:, :, None] == unit[:, None, :]
+    visible = (member[:, None, :] == -1) | (member[:, :, None] == member[:, None, :])
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    eye = torch.eye(width, dtype=torch.bool)
+    return TrunkLayout(
+        input_ids=torch.tensor(c_ids).reshape(shape),
+        position_ids=torch.tensor(c_pos).reshape(shape),
+        attention_mask=((same_unit & visible & causal) | eye)[:, None],
+        source=torch.tensor(source),
+        tokens=sum(lengths),
+    )
+
+
+def _plain_layout(
+    input_ids: torch.Tensor, position_ids: torch.Tensor, sample_ids: torch.Tensor
+) -> TrunkLayout:
+    """Every used row as packed (trailing all-padding rows skipped)."""
+    rows, seq = input_ids.shape
+    used = max(1, int((sample_ids >= 0).any(-1).sum()))
+    source = torch.arange(rows * seq)
+    source[used * seq :] = used * seq  # the zero row
+    return TrunkLayout(
+        input_ids=input_ids[:used],
+        position_ids=position_ids[:used],
+        attention_mask=attention_mask(sample_ids[:used]),
+        source=source,
+        tokens=int((sample_ids >= 0).sum()),
+    )

@@ -27,7 +27,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.loss import LossSettings, policy_token_loss, token_logprobs
 from engine.model import compute_context, load_policy, resolve_device
-from engine.packing import Sample, attention_mask, pack
+from engine.packing import Sample, pack, trunk_layout
 from engine.report import ChunkTrace, StepReport
 from engine.rollout import Rollout, sample
 from engine.tasks import build_task
@@ -240,7 +240,8 @@ class Engine:
         stats: _StepStats,
     ) -> torch.Tensor:
         """Sum of per-token losses of one micro, computed chunk by chunk in `chunk_order`."""
-        hidden, targets = self._forward(self.model, batch, micro)
+        hidden, source = self._trunk(self.model, batch, micro)
+        targets = batch.input_ids[micro].reshape(-1).to(self.device)
         mask = batch.loss_mask[micro].reshape(-1)  # [rows * seq], target-aligned
         token_index = mask.nonzero().squeeze(-1)  # trainable positions, sorted
         bounds = _chunk_bounds(mask.numel(), batch.sequence_chunks)
@@ -256,7 +257,7 @@ class Engine:
             index = token_index[cuts[c] : cuts[c + 1]]
             on_device = index.to(self.device)
             logprobs = token_logprobs(
-                hidden[on_device - 1],  # token p is scored by the logits at p-1
+                hidden[source[on_device - 1]],  # token p is scored by the logits at p-1
                 head,
                 targets[on_device],
                 chunks=self.config.lmhead_chunks,
@@ -289,22 +290,38 @@ class Engine:
     def _forward(
         self, model: torch.nn.Module, batch: TransportBatch, micro: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Trunk hidden states `[rows * seq, H]` and token ids `[rows * seq]` of one micro."""
-        sample_ids = batch.sample_ids[micro]
-        used = int((sample_ids >= 0).any(-1).sum())  # trailing all-padding rows are skipped
-        seq = batch.seq_len
+        """Trunk hidden states `[rows * seq, H]` and token ids `[rows * seq]` of one micro.
+
+        Positions the trunk does not run (padding, a sample's tail after its last scoring
+        position) read zeros; every position p-1 that scores a trainable token p is exact.
+        """
+        hidden, source = self._trunk(model, batch, micro)
+        return hidden[source], batch.input_ids[micro].reshape(-1).to(self.device)
+
+    def _trunk(
+        self, model: torch.nn.Module, batch: TransportBatch, micro: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Trunk states `[positions run + 1, H]` (last row zeros) and `source: [rows * seq]`.
+
+        The micro runs in its `trunk_layout`: each distinct prompt once, completions without
+        their unread last token (engine/packing.py); `hidden[source[p]]` is micro position p.
+        """
+        layout = trunk_layout(
+            batch.input_ids[micro],
+            batch.position_ids[micro],
+            batch.sample_ids[micro],
+            batch.loss_mask[micro],
+        )
         with compute_context(self.config.dtype, self.device):
             hidden = model.base_model(
-                input_ids=batch.input_ids[micro, :used].to(self.device),
-                position_ids=batch.position_ids[micro, :used].to(self.device),
-                attention_mask=attention_mask(sample_ids[:used].to(self.device)),
+                input_ids=layout.input_ids.to(self.device),
+                position_ids=layout.position_ids.to(self.device),
+                attention_mask=layout.attention_mask.to(self.device),
                 use_cache=False,
             ).last_hidden_state
-        hidden = hidden.reshape(used * seq, -1)
-        rows = batch.input_ids.shape[1]
-        if used < rows:  # keep flat indices of the full micro valid; padding is never trained
-            hidden = torch.cat([hidden, hidden.new_zeros((rows - used) * seq, hidden.shape[-1])])
-        return hidden, batch.input_ids[micro].reshape(-1).to(self.device)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        hidden = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[-1])])
+        return hidden, layout.source.to(self.device)
 
     @torch.no_grad()
     def score(self, batch: TransportBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
@@ -313,11 +330,12 @@ class Engine:
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
         head = model.get_output_embeddings().weight
         for micro in range(batch.num_micros):
-            hidden, targets = self._forward(model, batch, micro)
+            hidden, source = self._trunk(model, batch, micro)
+            targets = batch.input_ids[micro].reshape(-1).to(self.device)
             index = batch.loss_mask[micro].reshape(-1).nonzero().squeeze(-1)
             on_device = index.to(self.device)
             logprobs = token_logprobs(
-                hidden[on_device - 1],
+                hidden[source[on_device - 1]],
                 head,
                 targets[on_device],
                 chunks=self.config.lmhead_chunks,
