@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine import StepReport, TransportBatch
 from guards.base import Guard
-from guards.verdict import Finding
+from guards.verdict import Action, Finding
 
 
 class AdvantageGuard(Guard):
@@ -30,6 +30,7 @@ class AdvantageGuard(Guard):
             findings.append(
                 self.finding(
                     "every advantage of the batch is 0: no learning signal",
+                    Action[self.config.all_zero_action],
                     trainable_tokens=float(trainable.numel()),
                 )
             )

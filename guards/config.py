@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from guards.errors import GuardsError
 from guards.verdict import ActionName
 
 
@@ -76,6 +77,10 @@ class AdvantageConfig(_Section):
 
     zero_std_fraction_max: float = Field(0.9, ge=0.0, le=1.0)
     action: ActionName = "WARN"
+    all_zero_action: ActionName = Field(
+        "WARN",
+        description="every advantage 0: an applied step still moves AdamW's moments and weights",
+    )
 
 
 class SamplerMismatchConfig(_Section):
@@ -93,6 +98,21 @@ class ClipConfig(_Section):
     clip_coef_min: float = Field(0.2, gt=0.0, le=1.0)
     fraction_max: float = Field(0.5, ge=0.0, le=1.0)
     action: ActionName = "WARN"
+
+
+def as_config(config: GuardsConfig | dict | None) -> GuardsConfig:
+    """A GuardsConfig from itself, a dict (e.g. a TOML section) or None (the defaults); a bad
+    dict is a GuardsError naming the first bad key and the reason."""
+    if config is None:
+        return GuardsConfig()
+    if isinstance(config, GuardsConfig):
+        return config
+    try:
+        return GuardsConfig.model_validate(config)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "guards"
+        raise GuardsError(f"guards config {where}: {first['msg']}") from None
 
 
 class GuardsConfig(BaseModel):

@@ -22,9 +22,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from guards.config import GuardsConfig
+from guards.config import GuardsConfig, as_config
 from guards.errors import GuardsError
-from guards.policy import GuardPolicy, _validate, guarded_step
+from guards.policy import GuardPolicy, guarded_step
 from guards.verdict import Action, Verdict
 
 W1_SMALL = dict(task="arith", prompts_per_step=4, group_size=4)
@@ -102,7 +102,7 @@ def run_drill(
     steps = drill.default_steps if steps is None else steps
     if steps < 1:
         raise GuardsError(f"drill {name}: steps must be >= 1, not {steps}")
-    config = _validate(guards)
+    config = as_config(guards)
     base = {**drill.engine, "seed": seed, **(engine_overrides or {})}
     started = time.perf_counter()
     tally = _Tally(drill, config)

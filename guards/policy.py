@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 
 from engine import StepReport, TransportBatch
 from guards import distributed
@@ -20,7 +19,7 @@ from guards.accounting import AccountingGuard
 from guards.advantage import AdvantageGuard
 from guards.base import Guard
 from guards.clip import ClipGuard
-from guards.config import GuardsConfig
+from guards.config import GuardsConfig, as_config
 from guards.correlation import GradNormVTCCorrelationGuard
 from guards.errors import GuardsError
 from guards.finite import FiniteGuard
@@ -42,24 +41,11 @@ GUARD_CLASSES: tuple[type[Guard], ...] = (
 STATE_FORMAT = "grpod.guards_state/1"
 
 
-def _validate(config: GuardsConfig | dict | None) -> GuardsConfig:
-    if config is None:
-        return GuardsConfig()
-    if isinstance(config, GuardsConfig):
-        return config
-    try:
-        return GuardsConfig.model_validate(config)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "guards"
-        raise GuardsError(f"guards config {where}: {first['msg']}") from None
-
-
 class GuardPolicy:
     """The enabled guards in a fixed order, their combined verdict, and escalation."""
 
     def __init__(self, config: GuardsConfig | dict | None = None) -> None:
-        self.config = _validate(config)
+        self.config = as_config(config)
         self.guards: dict[str, Guard] = {
             cls.name: cls(getattr(self.config, cls.name)) for cls in GUARD_CLASSES
         }
@@ -161,7 +147,7 @@ class GuardPolicy:
 
     def reload(self, config: GuardsConfig | dict) -> None:
         """SIGHUP: new thresholds and switches; every guard keeps its history."""
-        self.config = _validate(config)
+        self.config = as_config(config)
         for name, guard in self.guards.items():
             guard.configure(getattr(self.config, name))
 

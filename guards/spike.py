@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from engine import StepReport, TransportBatch
@@ -53,7 +52,7 @@ class SpikeGuard(Guard):
                         f"{metric} {value:.4g} is {z:.1f} sigma from its mean {mean:.4g} "
                         f"(std {std:.3g}, {len(self.windows[metric])} steps)",
                         value=value,
-                        zscore=z if math.isfinite(z) else math.inf,
+                        zscore=z,
                         mean=mean,
                         std=std,
                     )

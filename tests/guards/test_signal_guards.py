@@ -57,3 +57,9 @@ def test_clip_window_is_bounded_and_skips_non_finite_grad_norms() -> None:
     assert guard.after(batch(), report(clip_coef=0.1)) == []  # 16 of the last 32
     guard.after(batch(), report(clip_coef=0.0, grad_norm=math.inf))
     assert len(guard.history) == 32 and guard.history[-1] is True
+
+
+def test_advantage_all_zero_action_is_configurable() -> None:
+    guard = AdvantageGuard(AdvantageConfig(all_zero_action="FLUSH"))
+    (finding,) = guard.after(batch(advantages=0.0), report())
+    assert finding.action is Action.FLUSH
