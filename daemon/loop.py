@@ -10,6 +10,7 @@ cursor, guard state); steps the store recorded after it are re-run and recorded 
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 import signal
 import sys
@@ -34,6 +35,7 @@ from forensics.recorder import FlightRecorder
 from guards import Action, GuardPolicy, guarded_step
 
 EXIT_OK, EXIT_FAILURE, EXIT_HALT = 0, 1, 3
+STATUS_INTERVAL_SECONDS = 1.0  # status.json and STATUS= at most this often while running
 
 
 class Daemon:
@@ -74,6 +76,7 @@ class Daemon:
         self.checkpointed_step = -1
         self.last_verdict = "none"
         self.last_step: int | None = None  # the last step this process finished
+        self._status_written = -math.inf
 
     # ----------------------------------------------------------------- lifecycle
     def run(self) -> int:
@@ -105,6 +108,9 @@ class Daemon:
             plan.run_dir.create(plan.run_id, cfg)
             if plan.link_latest is not None:
                 link_latest(plan.link_latest, plan.run_dir.path)
+        else:
+            for name in plan.run_dir.remove_stale_temporaries():
+                self.log.warning("removed a half-written checkpoint", path=name)
         self.recorder = FlightRecorder(plan.run_dir.path, cfg.forensics)
         restored = self._restore()
         if self.progress is not None:
@@ -178,27 +184,12 @@ class Daemon:
         self.notifier.watchdog()
         self.signals.abortable = True
         batch = engine.rollout()
-        started = time.perf_counter()
-        report, verdict = guarded_step(engine, policy, batch)
-        guarded_seconds = time.perf_counter() - started
+        report, verdict = guarded_step(engine, policy, batch)  # phase_seconds has "guards"
         self.signals.abortable = False
 
-        outcome = getattr(verdict, "outcome", "") or (
-            "skipped"
-            if report.skipped_compute
-            else "flushed"
-            if verdict.action >= Action.FLUSH
-            else "applied"
-        )
+        outcome = verdict.outcome  # applied | flushed | skipped, as guarded_step decided
         rerun = report.step <= self.last_recorded
         phases = dict(report.phase_seconds)
-        engine_seconds = (
-            phases.get("grad", 0.0)
-            + phases.get("optim", 0.0)
-            + phases.get("score", 0.0)
-            - batch.meta.get("score_seconds", 0.0)
-        )
-        phases["guards"] = max(0.0, guarded_seconds - engine_seconds)
         started = time.perf_counter()
         self.recorder.record(batch, report, verdict, outcome, rerun=rerun)
         phases["record"] = time.perf_counter() - started
@@ -226,7 +217,8 @@ class Daemon:
         log("step", **fields)
         self.health.beat()
         self.notifier.watchdog()
-        self._publish_status("running")
+        if time.monotonic() - self._status_written >= STATUS_INTERVAL_SECONDS:
+            self._publish_status("running")
         if self.progress is not None:
             self.progress.update(report.step, report.reward_mean, verdict.action.name)
         return verdict.action
@@ -328,12 +320,15 @@ class Daemon:
 
     # ----------------------------------------------------------------- status
     def _status_line(self) -> str:
-        step = self.engine.step if self.engine else 0
-        return f"step {step - 1} done, next {step}; last verdict {self.last_verdict}"
+        next_step = self.engine.step if self.engine else 0
+        if self.last_step is None:
+            return f"ready; next step {next_step}"
+        return f"step {self.last_step} done, last verdict {self.last_verdict}; next {next_step}"
 
     def _publish_status(self, state: str, **extra: Any) -> None:
         if self.rank != 0:
             return
+        self._status_written = time.monotonic()
         text = self._status_line() if state == "running" else f"{state}: {extra.get('reason', '')}"
         self.notifier.status(text)
         host, port = self.server.address if self.server else ("", 0)

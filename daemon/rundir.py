@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,12 +54,23 @@ class RunDir:
             raise ConfigError(f"run dir {self.path}: unreadable {RUN_NAME}: {exc}") from None
 
     def create(self, run_id: str, config: GrpodConfig) -> None:
-        """Write config.toml and run.json of a new run (run.json last: it marks a run dir)."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / CHECKPOINTS).mkdir(exist_ok=True)
-        _write_atomic(self.config_path, dump_toml(config))
+        """Make a new run dir atomically: built beside its name, renamed into place (over an
+        empty directory if one is there), so a run dir is complete or absent."""
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / CHECKPOINTS).mkdir(parents=True)
+        _write_atomic(tmp / CONFIG_NAME, dump_toml(config))
         record = {"run_id": run_id, "created_at": time.time(), "config": CONFIG_NAME}
-        _write_atomic(self.path / RUN_NAME, json.dumps(record) + "\n")
+        _write_atomic(tmp / RUN_NAME, json.dumps(record) + "\n")
+        os.rename(tmp, self.path)
+        _fsync_dir(self.path.parent)
+
+    def remove_stale_temporaries(self) -> list[str]:
+        """Checkpoint directories a killed process left half-written (never referenced)."""
+        stale = sorted((self.path / CHECKPOINTS).glob(".step-*.tmp-*"))
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+        return [path.name for path in stale]
 
     def write_status(self, status: dict[str, Any]) -> None:
         _write_atomic(self.status_path, json.dumps(status, sort_keys=True) + "\n", fsync=False)
@@ -137,6 +149,14 @@ def link_latest(link: Path, target: Path) -> None:
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(target.name if target.parent == link.parent else target.resolve())
     os.replace(tmp, link)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_atomic(path: Path, text: str, fsync: bool = True) -> None:

@@ -148,6 +148,7 @@ def test_metrics_health_notify_and_reload(tmp_path: Path) -> None:
     assert notify.fields("EXTEND_TIMEOUT_USEC")
     assert notify.fields("STOPPING") == ["1"]
     statuses = notify.fields("STATUS")
+    assert "READY=1\nSTATUS=ready; next step 0" in notify.messages
     assert any(s.startswith("step ") and "last verdict" in s for s in statuses)
     assert statuses[-1].startswith("stopped: finished")
 
