@@ -35,7 +35,7 @@ def store_url(request: pytest.FixtureRequest) -> str:
     admin.dispose()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Campaign:
     """13 steps, checkpoints at 0, 5, 10, a NaN loss injected at step 7 (flushed: an incident)."""
     run_dir = tmp_path_factory.mktemp("recorded") / "run"

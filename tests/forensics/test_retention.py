@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
 from daemon.cli import main
 from engine import TransportBatch
-from forensics import ForensicsError, fsck, gc, replay
+from forensics import ForensicsError, Store, fsck, gc, replay
 from tests.forensics.conftest import FAULT_STEP
 
 
@@ -74,4 +75,15 @@ def test_db_upgrade_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["gc", "--run-dir", str(run_dir), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["within_budget"] is True
     assert main(["fsck", "--run-dir", str(tmp_path / "missing")]) == 2
+    assert "no such file" in capsys.readouterr().err
     assert not (tmp_path / "missing").exists()
+    store = Store(run_dir)
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = 'f00d'"))
+    store.close()
+    before = (run_dir / "grpod.sqlite").read_bytes()
+    for command in (["db", "upgrade"], ["incidents", "list"], ["replay", "--step", "0"]):
+        assert main([*command, "--run-dir", str(run_dir)]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "schema revision f00d is newer than this grpod" in line
+    assert (run_dir / "grpod.sqlite").read_bytes() == before
