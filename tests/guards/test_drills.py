@@ -83,5 +83,5 @@ def test_vtc_last_chunk_nonzero_with_reorder_repairs_mixed_and_skips_all_long() 
         elif record["outcome"] == "applied":
             assert record["valid_tokens"] > 0  # the counter reads the moved micro's chunk 0
             repaired += 1
-    assert repaired >= 3 and repaired == result["repaired"]
+    assert repaired >= 1 and repaired == result["repaired"]
     assert result["skip_fast_total"] == result["outcomes"]["skipped"] >= len(long_steps)
