@@ -76,7 +76,10 @@ class FiniteGuard(Guard):
     def check_weights(self, weights: Iterable[torch.Tensor]) -> list[Finding]:
         """After an apply: HALT when any weight tensor holds a non-finite value."""
         tensors = list(weights)
-        bad = sum(1 for w in tensors if not bool(torch.isfinite(w.detach()).all()))
+        if not tensors:
+            return []
+        finite = torch.stack([torch.isfinite(w.detach()).all() for w in tensors])  # one sync
+        bad = int((~finite).sum())
         if not bad:
             return []
         return [

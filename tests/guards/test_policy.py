@@ -142,3 +142,16 @@ def test_skip_fast_skips_the_compute_and_advances_the_cursor() -> None:
     assert verdict.outcome == "skipped" and report.skipped_compute
     assert verdict.action is Action.FLUSH and verdict.by("reorder")
     assert policy.skip_fast_total == 1 and eng.step == 1 and eng.state_digest() == digest
+
+
+def test_policy_state_travels_in_an_engine_checkpoint(tmp_path) -> None:
+    eng = engine()
+    policy = GuardPolicy()
+    for _ in range(2):
+        guarded_step(eng, policy, eng.rollout())
+    judge(policy, valid_tokens=0)
+    path = eng.save_checkpoint(tmp_path / "step-2", extra={"guards": policy.state_dict()})
+    resumed = GuardPolicy()
+    resumed.load_state_dict(engine().load_checkpoint(path)["guards"])
+    assert resumed.state_dict() == policy.state_dict()
+    assert resumed.consecutive_flushes == 1
