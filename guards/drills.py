@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from guards.config import GuardsConfig, as_config
@@ -28,9 +28,9 @@ from guards.policy import GuardPolicy, guarded_step
 from guards.verdict import Action, Verdict
 
 W1_SMALL = dict(task="arith", prompts_per_step=4, group_size=4)
-W1C = dict(  # W1c with one completion token (its reward reads only the first): cheaper
-    task="copy", prompts_per_step=16, group_size=8, max_new_tokens=1, seq_len=32
-)  # 16 groups: a clean step almost never has a zero-std fraction above 0.9
+# W1c with one completion token (its reward reads only the first token), which is cheaper;
+# 16 groups, so that a clean step almost never has a zero-std group fraction above 0.9
+W1C = dict(task="copy", prompts_per_step=16, group_size=8, max_new_tokens=1, seq_len=32)
 W2_SMALL = dict(  # the W2 accounting workload, cut down for CPU
     task="kv-retrieval",
     seq_len=256,
@@ -53,7 +53,6 @@ class Drill:
     first: int = 5  # first injected step
     every: int = 12  # then one every this many steps
     default_steps: int = 60
-    guards: dict[str, Any] = field(default_factory=dict)
 
 
 DRILLS: dict[str, Drill] = {
