@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,17 @@ def store_url(request: pytest.FixtureRequest) -> str:
     """'' (the run dir's SQLite file) or a PostgreSQL URL whose search_path is a fresh schema."""
     if request.param == "sqlite":
         yield ""
-        return
+    else:
+        yield from _fresh_pg_schema()
+
+
+@pytest.fixture
+def pg_store_url() -> str:
+    """A PostgreSQL URL on a fresh schema, for what only a shared store does."""
+    yield from _fresh_pg_schema()
+
+
+def _fresh_pg_schema() -> Iterator[str]:
     if not PG_URL:
         pytest.skip("GRPOD_TEST_PG_URL is not set (make test starts a server and sets it)")
     schema = f"t_{uuid.uuid4().hex[:12]}"

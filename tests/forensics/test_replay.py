@@ -148,10 +148,11 @@ def test_cli_replay_json_and_bad_input_exit_codes(recorded: Campaign) -> None:
     ]
 
 
-def test_record_and_replay_through_a_shared_store(tmp_path: Path, store_url: str) -> None:
-    if not store_url:
-        pytest.skip("the SQLite store is covered by the recorded campaign")
+@pytest.mark.postgres
+def test_record_and_replay_through_a_shared_store(tmp_path: Path, pg_store_url: str) -> None:
     from forensics import ForensicsConfig
+
+    store_url = pg_store_url
 
     run = run_campaign(
         tmp_path / "run",

@@ -174,9 +174,9 @@ def test_sqlite_settings(tmp_path: Path) -> None:
             )
 
 
-def test_shared_store_scopes_runs_by_run_dir(tmp_path: Path, store_url: str) -> None:
-    if not store_url:
-        pytest.skip("a SQLite file belongs to one run dir")
+@pytest.mark.postgres
+def test_shared_store_scopes_runs_by_run_dir(tmp_path: Path, pg_store_url: str) -> None:
+    store_url = pg_store_url
     record_steps(tmp_path / "a", store_url, [WARN])
     recorder = FlightRecorder(tmp_path / "b", ForensicsConfig(store_url=store_url))
     recorder.start_run("r2", {"engine": {}}, {}, "cpu")
