@@ -13,8 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, inspect, select, text
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import Engine, create_engine, event, inspect, make_url, select, text
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from forensics.errors import ForensicsError
@@ -62,6 +62,7 @@ class Store:
         self.url = resolve_store_url(self.run_dir, store_url)
         self.is_sqlite = self.url.startswith("sqlite")
         self.shared = bool(store_url or not self.url.endswith(f"/{SQLITE_NAME}"))
+        self.label = _without_password(self.url)  # for messages
         if self.is_sqlite and not create:
             path = Path(self.url.split("///", 1)[-1])
             if not path.is_file():
@@ -71,7 +72,7 @@ class Store:
         try:
             self.engine: Engine = create_engine(self.url)
         except (SQLAlchemyError, ImportError, ValueError) as exc:
-            raise ForensicsError(f"store {self.url}: {exc}") from None
+            raise ForensicsError(f"store {self.label}: {exc}") from None
         if self.is_sqlite:
             _sqlite_pragmas(self.engine, busy_timeout_ms)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
@@ -88,7 +89,7 @@ class Store:
                 session.commit()
             except SQLAlchemyError as exc:
                 session.rollback()
-                raise ForensicsError(f"store {self.url}: {_one_line(exc)}") from None
+                raise ForensicsError(f"store {self.label}: {_one_line(exc)}") from None
             except BaseException:
                 session.rollback()
                 raise
@@ -109,7 +110,7 @@ class Store:
                     return None
                 return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
         except SQLAlchemyError as exc:
-            raise ForensicsError(f"store {self.url}: {_one_line(exc)}") from None
+            raise ForensicsError(f"store {self.label}: {_one_line(exc)}") from None
 
     def head(self) -> str:
         return self._alembic()[1].get_current_head()
@@ -125,7 +126,7 @@ class Store:
             known = None
         if known is None:
             raise ForensicsError(
-                f"store {self.url}: schema revision {current} is newer than this grpod "
+                f"store {self.label}: schema revision {current} is newer than this grpod "
                 f"(head {self.head()}); upgrade grpod"
             )
 
@@ -140,18 +141,18 @@ class Store:
                 config.attributes["connection"] = conn
                 command.upgrade(config, "head")
         except SQLAlchemyError as exc:
-            raise ForensicsError(f"store {self.url}: upgrade failed: {_one_line(exc)}") from None
+            raise ForensicsError(f"store {self.label}: upgrade failed: {_one_line(exc)}") from None
         return self.head()
 
     def check_schema(self) -> None:
         """Refuse a store that is empty, older or newer than this grpod's schema."""
         current = self.revision()
         if current is None:
-            raise ForensicsError(f"store {self.url}: no grpod schema; run `grpod db upgrade`")
+            raise ForensicsError(f"store {self.label}: no grpod schema; run `grpod db upgrade`")
         self._refuse_newer(current)
         if current != self.head():
             raise ForensicsError(
-                f"store {self.url}: schema {current} is older than {self.head()}; "
+                f"store {self.label}: schema {current} is older than {self.head()}; "
                 "run `grpod db upgrade`"
             )
 
@@ -166,7 +167,7 @@ class Store:
     def run(self, session: Session, run_id: str) -> Run:
         run = session.get(Run, run_id)
         if run is None:
-            raise ForensicsError(f"run {run_id}: not in store {self.url}")
+            raise ForensicsError(f"run {run_id}: not in store {self.label}")
         return run
 
     def latest_step(self, session: Session, step: int) -> Step:
@@ -249,6 +250,13 @@ def _sqlite_pragmas(engine: Engine, busy_timeout_ms: int) -> None:
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA synchronous=FULL")  # a committed row survives power loss
         cursor.close()
+
+
+def _without_password(url: str) -> str:
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return "<unparsable store URL>"
 
 
 def _one_line(exc: BaseException) -> str:

@@ -64,7 +64,7 @@ def _db_upgrade(args: argparse.Namespace) -> int:
         head = store.upgrade()
     finally:
         store.close()
-    print(f"store {store.url}: schema at revision {head}")
+    print(f"store {store.label}: schema at revision {head}")
     return 0
 
 
