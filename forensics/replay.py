@@ -9,6 +9,7 @@ Nothing in the store or the run directory is written.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -73,7 +74,7 @@ def replay(
     store = Store(run_dir, store_url, create=False)
     try:
         store.check_schema()
-        config, checkpoint, plan = _plan(store, step, incident_id)
+        config, versions, checkpoint, plan = _plan(store, step, incident_id)
         engine = _restore(store, config, checkpoint)
     finally:
         store.close()
@@ -104,18 +105,16 @@ def replay(
         checkpoint_step=checkpoint.step,
         steps_replayed=len(plan),
         incident_id=incident_id,
-        note="the target was skipped without compute when recorded: computed now, compared "
-        "only the steps before it"
-        if target.row.outcome == "skipped"
-        else "",
+        note=_note(target, versions),
         trace=_trace(target.report, replayed) if trace and replayed is not None else None,
     )
 
 
 def _plan(
     store: Store, step: int | None, incident_id: int | None
-) -> tuple[dict[str, Any], Checkpoint, list[_Planned]]:
-    """The run config, the checkpoint, and every step from it to the target, verified."""
+) -> tuple[dict[str, Any], dict[str, str], Checkpoint, list[_Planned]]:
+    """The run's config and software versions, the checkpoint, and every step from it to
+    the target, verified."""
     blobs = BlobStore(store.run_dir)
     with store.session() as session:
         if incident_id is not None:
@@ -144,9 +143,10 @@ def _plan(
                 f"{checkpoint.step} to step {target.step}"
             )
         plan = [_load(session, blobs, row) for row in ordered]
-        config = json.loads(store.run(session, target.run_id).config_json)
+        run = store.run(session, target.run_id)
+        config, versions = json.loads(run.config_json), json.loads(run.versions_json)
         session.expunge_all()
-    return config, checkpoint, plan
+    return config, versions, checkpoint, plan
 
 
 def _load(session: Any, blobs: BlobStore, row: Step) -> _Planned:
@@ -158,6 +158,25 @@ def _load(session: Any, blobs: BlobStore, row: Step) -> _Planned:
     except EngineError as exc:
         raise ForensicsError(str(exc)) from None
     return _Planned(row, StepReport.from_dict(json.loads(row.report_json)), batch)
+
+
+def _note(target: _Planned, versions: dict[str, str]) -> str:
+    """Why the comparison may say less than usual: a skipped target, other software."""
+    notes = []
+    if target.row.outcome == "skipped":
+        notes.append(
+            "the target was skipped without compute when recorded: computed now, compared "
+            "only the steps before it"
+        )
+    for name in ("torch", "transformers"):
+        recorded = versions.get(name)
+        try:
+            now = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            now = "unknown"
+        if recorded not in (None, "unknown", now):
+            notes.append(f"recorded with {name} {recorded}, replayed with {now}")
+    return "; ".join(notes)
 
 
 def _restore(store: Store, config: dict[str, Any], checkpoint: Checkpoint) -> Engine:

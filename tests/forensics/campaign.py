@@ -6,6 +6,7 @@ close); the verdict here is a stand-in for the guards' (a contract verdict dict)
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +89,7 @@ def run_campaign(
             "forensics": forensics.model_dump(mode="json"),
             "daemon": {},
         },
-        {"torch": torch.__version__},
+        {"torch": importlib.metadata.version("torch")},
         "cpu",
     )
     campaign = Campaign(run_dir, config)

@@ -42,7 +42,7 @@ def test_fault_opens_an_incident_whose_replay_reproduces(recorded: Campaign) -> 
 def test_healthy_step_reproduces(recorded: Campaign) -> None:
     result = replay(recorded.run_dir, step=11)
     assert result.reproduced and result.classification == "healthy"
-    assert result.checkpoint_step == 10 and result.diverged_at is None
+    assert result.checkpoint_step == 10 and result.diverged_at is None and not result.note
     report = recorded.reports[11]
     assert result.replayed == {
         "valid_tokens": report.valid_tokens,
@@ -183,3 +183,14 @@ def test_cli_text_replay_draws_a_progress_bar_on_a_tty(
     out = capsys.readouterr().out
     assert out.startswith("step 12: reproduced (healthy)") and "micro chunk" in out
     assert "\rreplay [" in terminal.getvalue() and "3/3 step 12" in terminal.getvalue()
+
+
+def test_other_software_is_noted(run_copy: Path) -> None:
+    from forensics.models import Run
+
+    store = Store(run_copy)
+    with store.session() as session:
+        session.execute(update(Run).values(versions_json=json.dumps({"torch": "1.0.0"})))
+    store.close()
+    result = replay(run_copy, step=12)
+    assert result.reproduced and "recorded with torch 1.0.0, replayed with" in result.note
