@@ -168,7 +168,7 @@ class Engine:
         for micro in range(batch.num_micros):
             micro_loss = self._micro_loss(batch, micro, reference, stats)
             if batch.step in self.config.fault_nan_loss_steps and micro == 0:
-                micro_loss = micro_loss + float("nan")
+                micro_loss = micro_loss * float("nan")  # poisons the gradients too, as in the wild
             stats.micro_loss_sums.append(micro_loss.detach())
             micro_loss.backward()
         valid_tokens = self.counter.value
@@ -224,7 +224,12 @@ class Engine:
         if self._pending is not None:
             raise EngineError(f"step {self._pending.step}: skip before apply or flush")
         report = _StepStats().report(
-            batch, valid_tokens=0, token_scale=0.0, grad_norm=0.0, max_grad_norm=1.0, lr=0.0
+            batch,
+            valid_tokens=0,
+            token_scale=0.0,
+            grad_norm=0.0,
+            max_grad_norm=1.0,
+            lr=self.optimizer.param_groups[0]["lr"],
         )
         report.skipped_compute = True
         report.micro_order = list(range(batch.num_micros))

@@ -86,6 +86,7 @@ def test_nan_and_inf_faults_surface_in_the_report() -> None:
     engine = Engine(config(fault_nan_loss_steps=[0], fault_inf_grad_steps=[1]))
     nan = engine.accumulate(engine.rollout())
     assert nan.loss != nan.loss and nan.micro_losses[0] != nan.micro_losses[0]
+    assert nan.grad_norm != nan.grad_norm  # a NaN loss poisons the gradients as well
     engine.flush()
     inf = engine.accumulate(engine.rollout())
     assert inf.grad_norm == float("inf")
