@@ -44,15 +44,17 @@ def sample(
     generator: torch.Generator,
     dtype: str = "float32",
 ) -> Rollout:
-    """Sample one completion per prompt (repeat prompts for a group)."""
+    """Sample one completion per prompt (repeat prompts for a group).
+
+    Each distinct prompt is prefilled once; its KV cache and first-token logits are then
+    fanned out to every completion that shares it (a group's siblings).
+    """
     n = len(prompts)
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    attn = torch.zeros((n, width), dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
-        ids[i, width - len(p) :] = torch.tensor(p)
-        attn[i, width - len(p) :] = 1
+    distinct: dict[tuple[int, ...], int] = {}
+    inverse = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+    shared = len(distinct) < n
+    ids, attn = _left_pad([list(p) for p in distinct] if shared else prompts, pad_token_id)
     ragged = bool((attn == 0).any())
     ids, attn = ids.to(device), attn.to(device)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -60,21 +62,32 @@ def sample(
     out_lp = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     alive = torch.ones(n, dtype=torch.bool, device=device)
     lengths = torch.zeros(n, dtype=torch.long, device=device)
-    cache = None
     cache_arg = _cache_argument(model)
-    step_ids, step_pos = ids, positions
+
+    def forward(step_ids, step_pos, attn, cache):
+        out = model(
+            input_ids=step_ids,
+            position_ids=step_pos,
+            attention_mask=attn if ragged else None,
+            use_cache=True,
+            **{cache_arg: cache},
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1], getattr(out, "cache", None) or out.past_key_values
+
     with compute_context(dtype, device):
+        logits, cache = forward(ids, positions, attn, None)  # the prefill
+        if shared:
+            fan_out = torch.tensor(inverse, device=device)
+            ids, attn, positions = ids[fan_out], attn[fan_out], positions[fan_out]
+            if hasattr(cache, "batch_select_indices"):
+                cache.batch_select_indices(fan_out)
+                logits = logits[fan_out]
+            else:  # a cache that cannot be fanned out: prefill every row instead
+                logits, cache = forward(ids, positions, attn, None)
+        step_pos = positions[:, -1:]
         for t in range(max_new_tokens):
-            out = model(
-                input_ids=step_ids,
-                position_ids=step_pos,
-                attention_mask=attn if ragged else None,
-                use_cache=True,
-                **{cache_arg: cache},
-                logits_to_keep=1,
-            )
-            cache = getattr(out, "cache", None) or out.past_key_values
-            logits = out.logits[:, -1].float()
+            logits = logits.float()
             if temperature != 1.0:
                 logits = logits / temperature
             logprobs = _filter_top_p(logits, top_p).log_softmax(-1)
@@ -83,14 +96,25 @@ def sample(
             out_lp[:, t] = torch.where(alive, logprobs.gather(-1, token[:, None]).squeeze(-1), 0.0)
             lengths += alive.long()
             alive &= token != eos_token_id
-            if not bool(alive.any()):
+            if t == max_new_tokens - 1 or not bool(alive.any()):
                 break
-            step_ids = token[:, None]
-            step_pos = step_pos[:, -1:] + 1
+            step_pos = step_pos + 1
             if ragged:
                 attn = torch.cat([attn, attn.new_ones((n, 1))], dim=1)
+            logits, cache = forward(token[:, None], step_pos, attn, cache)
     mask = torch.arange(max_new_tokens, device=device)[None, :] < lengths[:, None]
     return Rollout(out_ids.cpu(), out_lp.cpu(), mask.cpu())
+
+
+def _left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ids, attention: [n, width]` on the host, left padded so every prompt ends together."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = 1
+    return ids, attn
 
 
 def _cache_argument(model: torch.nn.Module) -> str:
