@@ -91,13 +91,19 @@ def test_metrics_health_notify_and_reload(tmp_path: Path) -> None:
     good = config.read_text()
     notify = NotifySocket(tmp_path / "notify.sock")
     g = Grpod(
-        ["--config", str(config), "--run-dir", "run", "--max-steps", "10"],
+        ["--config", str(config), "--run-dir", "run", "--max-steps", "400"],
         tmp_path,
         env={"NOTIFY_SOCKET": str(notify.path)},
     )
     try:
         g.wait_step(1)
         assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+        live = subprocess.run(
+            [GRPOD, "status", "--run-dir", "run", "--json"], cwd=tmp_path, capture_output=True
+        )
+        assert live.returncode == 0, live.stderr
+        state = json.loads(live.stdout)
+        assert state["state"] == "running" and state["last_step"] >= 1
         # SIGHUP reloads [guards]; a bad file is refused and the old thresholds kept
         config.write_text("[guards\n")
         g.signal(signal.SIGHUP)
@@ -107,19 +113,20 @@ def test_metrics_health_notify_and_reload(tmp_path: Path) -> None:
         g.signal(signal.SIGHUP)
         g.wait_event(lambda e: e["event"] == "reloaded")
 
+        g.signal(signal.SIGTERM)
         g.wait_event(lambda e: e["event"] == "stopped")  # the loop is over; the server lingers
         status, body = http_get(f"http://127.0.0.1:{port}/healthz")
         assert status == 503 and "loop stopped" in body
         metrics = parse_metrics(http_get(f"http://127.0.0.1:{port}/metrics")[1])
     finally:
-        g.signal(signal.SIGTERM)  # ends the linger
+        g.signal(signal.SIGTERM)  # a stop signal ends the linger
         rc = g.wait()
         notify.close()
     assert rc == 0, g.stderr
 
     records = recorded_steps(tmp_path / "run")
     step, _, _, report = records[-1]
-    assert step == 9 and metrics["grpod_step"] == 9
+    assert step == g.event("stopped")["next_step"] - 1 and metrics["grpod_step"] == step
     for gauge, key in {
         "grpod_loss": "loss",
         "grpod_reward_mean": "reward_mean",
@@ -150,7 +157,7 @@ def test_metrics_health_notify_and_reload(tmp_path: Path) -> None:
     statuses = notify.fields("STATUS")
     assert "READY=1\nSTATUS=ready; next step 0" in notify.messages
     assert any(s.startswith("step ") and "last verdict" in s for s in statuses)
-    assert statuses[-1].startswith("stopped: finished")
+    assert statuses[-1] == "stopped: stopped by SIGTERM"
 
 
 def test_sigterm_then_resume_is_bit_identical(tmp_path: Path, uninterrupted: str) -> None:
