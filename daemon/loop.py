@@ -9,6 +9,7 @@ cursor, guard state); steps the store recorded after it are re-run and recorded 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import math
 import os
@@ -86,6 +87,9 @@ class Daemon:
         try:
             self._start()
         except BaseException:
+            if self.recorder is not None:
+                with contextlib.suppress(Exception):
+                    self.recorder.close()
             self._close_quietly()
             raise
         try:
@@ -268,6 +272,7 @@ class Daemon:
         state = {EXIT_OK: "stopped", EXIT_HALT: "halted"}.get(code, "failed")
         self.notifier.stopping(f"{state}: {reason}")
         self.health.stop(reason)
+        self.metrics.halted.set(int(code == EXIT_HALT))
         (self.log.error if code == EXIT_HALT else self.log.info)(
             "stopping", reason=reason, exit_code=code
         )

@@ -220,7 +220,12 @@ def test_halt_checkpoints_and_exits_3(tmp_path: Path) -> None:
         {
             "engine": {**HALT_ENGINE},
             "guards": {"halt_after_consecutive_flushes": 2},
-            "daemon": {"metrics": False, "log_format": "json", "progress": "off"},
+            "daemon": {
+                "metrics_port": (port := free_port()),
+                "linger_seconds": 60,
+                "log_format": "json",
+                "progress": "off",
+            },
         },
     )
     notify = NotifySocket(tmp_path / "notify.sock")
@@ -229,8 +234,15 @@ def test_halt_checkpoints_and_exits_3(tmp_path: Path) -> None:
         tmp_path,
         env={"NOTIFY_SOCKET": str(notify.path)},
     )
-    rc = g.wait()
-    notify.close()
+    try:
+        g.wait_event(lambda e: e["event"] == "stopped")
+        metrics = parse_metrics(http_get(f"http://127.0.0.1:{port}/metrics")[1])
+        assert metrics["grpod_halted"] == 1 and metrics["grpod_verdict_action"] == 3
+        assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 503
+    finally:
+        g.signal(signal.SIGTERM)  # ends the linger; the exit code stays 3
+        rc = g.wait()
+        notify.close()
     assert rc == 3, g.stderr
     stopping = g.event("stopping")
     assert stopping["level"] == "error" and "HALT" in stopping["reason"]
