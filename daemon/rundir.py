@@ -102,13 +102,9 @@ def resolve_plan(config_file: str | None, run_dir: str | None, overrides: dict[s
     """Load and check the config, pick the run dir, decide fresh run or resume."""
     given = load_config(config_file) if config_file is not None else None
     where = run_dir or (given.daemon.run_dir if given else "")
-    link = None
-    if where:
-        target = RunDir(where)
-    else:
-        run_id = new_run_id()
-        target = RunDir(DEFAULT_ROOT / run_id)
-        link = DEFAULT_ROOT / "latest"
+    run_id = new_run_id()
+    target = RunDir(where or DEFAULT_ROOT / run_id)
+    link = None if where else DEFAULT_ROOT / "latest"
     if target.is_run():
         base = load_config(target.config_path)
         if given is not None:
@@ -119,7 +115,6 @@ def resolve_plan(config_file: str | None, run_dir: str | None, overrides: dict[s
         if target.path.exists() and (not target.path.is_dir() or any(target.path.iterdir())):
             raise ConfigError(f"run dir {target.path}: exists and is not a grpod run directory")
         config = given or GrpodConfig()
-        run_id = run_id if not where else new_run_id()
         resume = False
     daemon = {**config.daemon.model_dump(), "run_dir": str(target.path), **overrides}
     config = validate({**config.model_dump(), "daemon": daemon}, "command line")
