@@ -49,6 +49,7 @@ def main() -> None:
         ),
         flush=True,
     )
+    dist.barrier()  # neither rank tears the group down while the other still uses it
     dist.destroy_process_group()
 
 

@@ -46,7 +46,8 @@ def test_a_nan_on_rank_1_flushes_the_step_on_both_ranks() -> None:
         assert [s["outcome"] for s in steps] == ["applied", "flushed", "applied"]
         assert steps[1]["untouched"] is True
         assert results[rank]["skip"] is True
-    assert results[1]["steps"][1]["guards"] == ["finite", "finite"]  # loss and micro loss
+    guards = results[1]["steps"][1]["guards"]  # loss and micro loss, and the grad norm if hit
+    assert set(guards) == {"finite"} and len(guards) >= 2
     assert results[0]["steps"][1]["guards"] == ["policy"]  # a peer rank's verdict
     assert results[1]["skip_guards"] == ["reorder"]
     assert results[0]["skip_guards"] == ["policy"]
