@@ -14,7 +14,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from tests.dashboards.conftest import DaemonRun
@@ -132,11 +131,6 @@ def test_token_accounting_alert_fires_on_a_real_faulty_run(
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="daemon bug: grpod_halted stays 0 after a HALT (daemon/loop.py never sets it); "
-    "remove this marker with the fix",
-)
 def test_halted_alert_fires_on_a_real_halted_run(halted_run: DaemonRun, tmp_path: Path) -> None:
     result = _evaluate(
         tmp_path, halted_run.scrape, _alert_copies(), [_fires("GrpodHalted", "critical")]
