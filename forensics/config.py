@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from forensics.errors import ForensicsError
 
 ACTIONS = ("PASS", "WARN", "FLUSH", "HALT")  # the guards' Action order, by name
 
@@ -27,6 +31,24 @@ class ForensicsConfig(BaseModel):
     busy_timeout_ms: int = Field(10_000, ge=0, description="SQLite busy_timeout")
 
 
+def run_dir_config(run_dir: str | os.PathLike) -> ForensicsConfig:
+    """The `[forensics]` section of `<run_dir>/config.toml` (defaults when there is none)."""
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file():
+        return ForensicsConfig()
+    import tomllib
+
+    try:
+        section = tomllib.loads(path.read_text()).get("forensics", {})
+        return ForensicsConfig.model_validate(section)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ForensicsError(f"config {path}: unreadable: {exc}") from None
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(map(str, ("forensics", *error["loc"])))
+        raise ForensicsError(f"config {path}: {where}: {error['msg']}") from None
+
+
 def action_rank(action: str | int) -> int:
     """0..3 for PASS..HALT, from a name ("FLUSH") or a guards `Action` value."""
     if isinstance(action, int):
@@ -34,6 +56,4 @@ def action_rank(action: str | int) -> int:
     try:
         return ACTIONS.index(action.upper())
     except ValueError:
-        from forensics.errors import ForensicsError
-
         raise ForensicsError(f"verdict action {action!r}: not one of {ACTIONS}") from None

@@ -17,6 +17,7 @@ from sqlalchemy import Engine, create_engine, event, inspect, make_url, select, 
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from forensics.config import run_dir_config
 from forensics.errors import ForensicsError
 from forensics.models import Checkpoint, Incident, Run, Step
 
@@ -28,23 +29,8 @@ def resolve_store_url(run_dir: str | os.PathLike, store_url: str = "") -> str:
     """The store URL of a run dir: `store_url`, else `[forensics] store_url` of its
     config.toml, else the SQLite file in the run dir."""
     run_dir = Path(run_dir)
-    if not store_url:
-        store_url = _config_toml_store_url(run_dir / "config.toml")
+    store_url = store_url or run_dir_config(run_dir).store_url
     return store_url or f"sqlite:///{(run_dir / SQLITE_NAME).resolve()}"
-
-
-def _config_toml_store_url(path: Path) -> str:
-    if not path.is_file():
-        return ""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # python 3.10
-        return ""
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ForensicsError(f"config {path}: unreadable: {exc}") from None
-    return str(data.get("forensics", {}).get("store_url", "") or "")
 
 
 class Store:

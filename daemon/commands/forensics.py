@@ -183,10 +183,11 @@ def _fsck(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace) -> int:
     from forensics import gc
+    from forensics.config import run_dir_config
 
     budget = args.budget_bytes
     if budget is None:
-        budget = _configured_retention(args.run_dir)
+        budget = run_dir_config(args.run_dir).retention_bytes
     report = gc(args.run_dir, budget, store_url=args.store_url, dry_run=args.dry_run)
     out: dict[str, Any] = report.to_dict()
     if args.json:
@@ -200,21 +201,6 @@ def _gc(args: argparse.Namespace) -> int:
     if not out["within_budget"]:
         print("gc: still over budget: the rest is pinned by incidents or the newest checkpoint")
     return 0
-
-
-def _configured_retention(run_dir: str) -> int:
-    """`[forensics] retention_bytes` from the run dir's config.toml, else the default."""
-    from pathlib import Path
-
-    from forensics import ForensicsConfig
-
-    path = Path(run_dir) / "config.toml"
-    section: dict[str, Any] = {}
-    if path.is_file():
-        import tomllib
-
-        section = tomllib.loads(path.read_text()).get("forensics", {})
-    return ForensicsConfig.model_validate(section).retention_bytes
 
 
 class _ProgressBar:
