@@ -13,6 +13,7 @@ import hashlib
 import math
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.loss import LossSettings, policy_token_loss, token_logprobs
 from engine.model import compute_context, load_policy, resolve_device
-from engine.packing import Sample, pack, trunk_layout
+from engine.packing import Sample, TrunkLayout, pack, trunk_layout
 from engine.report import ChunkTrace, StepReport
 from engine.rollout import Rollout, sample
 from engine.tasks import build_task
@@ -165,12 +166,20 @@ class Engine:
         started = time.perf_counter()
         stats = _StepStats()
         self.counter.start_step()
-        for micro in range(batch.num_micros):
-            micro_loss = self._micro_loss(batch, micro, reference, stats)
-            if batch.step in self.config.fault_nan_loss_steps and micro == 0:
-                micro_loss = micro_loss * float("nan")  # poisons the gradients too, as in the wild
-            stats.micro_loss_sums.append(micro_loss.detach())
-            micro_loss.backward()
+        for micros, layout in self._trunk_passes(batch):
+            hidden, source = self._run_trunk(self.model, layout)
+            per_micro = source.numel() // len(micros)
+            pass_loss = hidden.new_zeros((), dtype=torch.float32)
+            for k, micro in enumerate(micros):
+                micro_source = source[k * per_micro : (k + 1) * per_micro]
+                micro_loss = self._chunk_losses(
+                    batch, micro, hidden, micro_source, reference, stats
+                )
+                if batch.step in self.config.fault_nan_loss_steps and micro == 0:
+                    micro_loss = micro_loss * float("nan")  # poisons the gradients, as in the wild
+                stats.micro_loss_sums.append(micro_loss.detach())
+                pass_loss = pass_loss + micro_loss
+            pass_loss.backward()
         valid_tokens = self.counter.value
         token_scale = 1.0 / max(valid_tokens, 1)  # the step total, never one micro's count
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -246,6 +255,18 @@ class Engine:
     ) -> torch.Tensor:
         """Sum of per-token losses of one micro, computed chunk by chunk in `chunk_order`."""
         hidden, source = self._trunk(self.model, batch, micro)
+        return self._chunk_losses(batch, micro, hidden, source, reference, stats)
+
+    def _chunk_losses(
+        self,
+        batch: TransportBatch,
+        micro: int,
+        hidden: torch.Tensor,
+        source: torch.Tensor,
+        reference: torch.Tensor | None,
+        stats: _StepStats,
+    ) -> torch.Tensor:
+        """The micro's loss sum from trunk states: `hidden[source[p]]` is micro position p."""
         targets = batch.input_ids[micro].reshape(-1).to(self.device)
         mask = batch.loss_mask[micro].reshape(-1)  # [rows * seq], target-aligned
         token_index = mask.nonzero().squeeze(-1)  # trainable positions, sorted
@@ -311,12 +332,37 @@ class Engine:
         The micro runs in its `trunk_layout`: each distinct prompt once, completions without
         their unread last token (engine/packing.py); `hidden[source[p]]` is micro position p.
         """
-        layout = trunk_layout(
-            batch.input_ids[micro],
-            batch.position_ids[micro],
-            batch.sample_ids[micro],
-            batch.loss_mask[micro],
-        )
+        return self._run_trunk(model, _layout(batch, [micro]))
+
+    def _trunk_passes(self, batch: TransportBatch) -> Iterator[tuple[list[int], TrunkLayout]]:
+        """Consecutive micros whose joint trunk layout fits one micro's `rows * seq` slots.
+
+        Shared prompts and dropped tails shrink a micro's trunk work, so several micros often
+        fit the activation budget of one; they then run as one forward and one backward (the
+        loss, counter and trace stay per micro and per chunk, in order). FP32 only: under
+        bf16 autocast a joint backward would sum the micros' weight gradients inside a bf16
+        matmul, so there each micro runs alone and accumulates into the FP32 grads.
+        """
+        if self.config.dtype != "float32":
+            for micro in range(batch.num_micros):
+                yield [micro], _layout(batch, [micro])
+            return
+        budget = batch.input_ids.shape[1] * batch.seq_len
+        micros: list[int] = []
+        layout: TrunkLayout | None = None
+        for micro in range(batch.num_micros):
+            joint = _layout(batch, [*micros, micro])
+            if micros and joint.input_ids.numel() > budget:
+                yield micros, layout
+                micros, joint = [], _layout(batch, [micro])
+            micros, layout = [*micros, micro], joint
+        if micros:
+            yield micros, layout
+
+    def _run_trunk(
+        self, model: torch.nn.Module, layout: TrunkLayout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Trunk states `[positions run + 1, H]` (last row zeros) and the layout's source."""
         with compute_context(self.config.dtype, self.device):
             hidden = model.base_model(
                 input_ids=layout.input_ids.to(self.device),
@@ -504,6 +550,18 @@ def _mismatch(trainer: list[torch.Tensor], sampler: list[torch.Tensor]) -> dict[
     q = torch.quantile(delta, torch.tensor([0.9, 0.99], dtype=torch.float64)).tolist()
     values = (delta.mean(), q[0], q[1], delta.max(), (delta > 0.1).double().mean())
     return {f"mismatch_{k}": float(v) for k, v in zip(keys, values)}
+
+
+def _layout(batch: TransportBatch, micros: list[int]) -> TrunkLayout:
+    """The joint trunk layout of consecutive `micros` (their rows stacked)."""
+    span = slice(micros[0], micros[-1] + 1)
+    seq = batch.seq_len
+    return trunk_layout(
+        batch.input_ids[span].reshape(-1, seq),
+        batch.position_ids[span].reshape(-1, seq),
+        batch.sample_ids[span].reshape(-1, seq),
+        batch.loss_mask[span].reshape(-1, seq),
+    )
 
 
 def _chunk_bounds(length: int, chunks: int) -> list[int]:
