@@ -62,39 +62,41 @@ def pack(
     )
     micros = -(-len(rows) // micro_batch_rows)
     shape = (micros * micro_batch_rows, seq_len)
-    input_ids = torch.full(shape, pad_token_id, dtype=torch.int64)
-    position_ids = torch.zeros(shape, dtype=torch.int64)
-    loss_mask = torch.zeros(shape, dtype=torch.bool)
-    advantages = torch.zeros(shape, dtype=torch.float32)
-    sampler_lp = torch.zeros(shape, dtype=torch.float32)
-    sample_ids = torch.full(shape, -1, dtype=torch.int32)
-    group_ids = torch.full(shape, -1, dtype=torch.int32)
+    size = shape[0] * seq_len
+    # host lists filled slice by slice, then one tensor per field (no per-sample tensors)
+    input_ids, position_ids = [pad_token_id] * size, [0] * size
+    loss_mask, advantages, sampler_lp = [False] * size, [0.0] * size, [0.0] * size
+    sample_ids, group_ids = [-1] * size, [-1] * size
     for r, members in enumerate(rows):
-        at = 0
+        at = r * seq_len
         for i in members:
             s, n = samples[i], lengths[i]
-            span = slice(at, at + n)
-            completion = slice(at + s.prompt_len, at + n)
-            input_ids[r, span] = torch.tensor(s.tokens)
-            position_ids[r, span] = torch.arange(n)
-            loss_mask[r, completion] = True
-            advantages[r, completion] = s.advantage
-            sampler_lp[r, completion] = torch.tensor(s.sampler_logprobs, dtype=torch.float32)
-            sample_ids[r, span] = i
-            group_ids[r, span] = s.group
-            at += n
+            start, end = at + s.prompt_len, at + n
+            if len(s.sampler_logprobs) != n - s.prompt_len:
+                raise EngineError(
+                    f"sample {i}: {len(s.sampler_logprobs)} sampler logprobs for "
+                    f"{n - s.prompt_len} completion tokens"
+                )
+            input_ids[at:end] = s.tokens
+            position_ids[at:end] = range(n)
+            loss_mask[start:end] = [True] * (end - start)
+            advantages[start:end] = [s.advantage] * (end - start)
+            sampler_lp[start:end] = s.sampler_logprobs
+            sample_ids[at:end] = [i] * n
+            group_ids[at:end] = [s.group] * n
+            at = end
 
-    def fold(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(micros, micro_batch_rows, seq_len)
+    def fold(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).reshape(micros, micro_batch_rows, seq_len)
 
     return TransportBatch(
-        input_ids=fold(input_ids),
-        position_ids=fold(position_ids),
-        loss_mask=fold(loss_mask),
-        advantages=fold(advantages),
-        sampler_logprobs=fold(sampler_lp),
-        sample_ids=fold(sample_ids),
-        group_ids=fold(group_ids),
+        input_ids=fold(input_ids, torch.int64),
+        position_ids=fold(position_ids, torch.int64),
+        loss_mask=fold(loss_mask, torch.bool),
+        advantages=fold(advantages, torch.float32),
+        sampler_logprobs=fold(sampler_lp, torch.float32),
+        sample_ids=fold(sample_ids, torch.int32),
+        group_ids=fold(group_ids, torch.int32),
         rewards=rewards.float(),
         sample_group_ids=torch.tensor([s.group for s in samples], dtype=torch.int32),
         completion_lengths=torch.tensor(
