@@ -8,6 +8,7 @@ verdict is at or above `incident_action`, an incident pinning the checkpoint bef
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ from forensics.models import Blob, Checkpoint, Incident, Run, Step
 from forensics.store import Store
 
 OUTCOMES = ("applied", "flushed", "skipped")
+WRITER_NICE = 10  # the writer thread's niceness (a lower priority than the trainer's)
 
 
 @dataclass
@@ -165,6 +167,9 @@ class FlightRecorder:
 
     # ----------------------------------------------------------------- writer thread
     def _write_loop(self) -> None:
+        # Linux nice is per thread: the trainer's threads win any contention for a core.
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         while True:
             item = self._queue.get()
             try:
