@@ -4,8 +4,9 @@
    steps alternate on/off (the order flips every pair to cancel drift); an "on" block's time
    includes draining the writer at its end, so all of the recorder's work is charged to it.
    Reported: the median over pairs of (on seconds per step / off seconds per step), and the
-   parts of the overhead that a busy machine disturbs less: the median time of a record()
-   call (on the trainer's path) and the writer thread's busy seconds per step.
+   parts of the overhead that a busy machine disturbs less: the process CPU-time ratio, the
+   median time of a record() call (on the trainer's path) and the writer thread's busy
+   seconds per step.
 2. Blob write throughput: BlobStore.write (canonical digest, serialise, fsync, rename) of
    W1 batches vs a plain sequential write of the same serialised bytes, with and without
    fsync. Reported as ratios of bytes per second (blob / plain).
@@ -37,9 +38,10 @@ PASS = {"action": "PASS", "findings": []}
 
 def timed_block(
     engine: Engine, steps: int, recorder: FlightRecorder | None, record_calls: list[float]
-) -> float:
-    """Seconds per step over `steps` W1 steps (plus the writer's drain when recording)."""
-    started = time.perf_counter()
+) -> tuple[float, float]:
+    """(wall, process CPU) seconds per step over `steps` W1 steps (plus the writer's drain
+    when recording)."""
+    started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(steps):
         batch = engine.rollout()
         report = engine.accumulate(batch)
@@ -50,7 +52,7 @@ def timed_block(
             record_calls.append(time.perf_counter() - called)
     if recorder is not None:
         recorder.drain()
-    return (time.perf_counter() - started) / steps
+    return (time.perf_counter() - started) / steps, (time.process_time() - cpu_started) / steps
 
 
 def step_overhead(run_dir: Path, pairs: int, block: int, warmup: int) -> dict[str, float]:
@@ -61,15 +63,16 @@ def step_overhead(run_dir: Path, pairs: int, block: int, warmup: int) -> dict[st
     timed_block(engine, warmup, recorder, calls)
     calls.clear()
     written = recorder.write_seconds_total
-    on, off, ratios = [], [], []
+    on, off, ratios, cpu_ratios = [], [], [], []
     for pair in range(pairs):
         order = (True, False) if pair % 2 == 0 else (False, True)
         seconds = {
             flag: timed_block(engine, block, recorder if flag else None, calls) for flag in order
         }
-        on.append(seconds[True])
-        off.append(seconds[False])
-        ratios.append(seconds[True] / seconds[False])
+        on.append(seconds[True][0])
+        off.append(seconds[False][0])
+        ratios.append(seconds[True][0] / seconds[False][0])
+        cpu_ratios.append(seconds[True][1] / seconds[False][1])
     blocked = recorder.blocked_total
     writer_seconds = (recorder.write_seconds_total - written) / len(calls)
     recorder.close()
@@ -79,6 +82,7 @@ def step_overhead(run_dir: Path, pairs: int, block: int, warmup: int) -> dict[st
         "step_seconds_off_median": off_median,
         "step_time_ratio_median": statistics.median(ratios),
         "step_time_ratios": [round(r, 4) for r in ratios],
+        "cpu_time_ratio_median": statistics.median(cpu_ratios),  # process CPU seconds
         "recorder_blocked_total": blocked,
         # the parts of the overhead, less exposed to a noisy machine than the ratio:
         "record_call_seconds_median": statistics.median(calls),  # on the trainer's path
