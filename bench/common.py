@@ -1,0 +1,348 @@
+"""What both sides of a W1/W1c comparison share: model, tokenizer, prompts, reward, settings.
+
+grpod and TRL get the identical random-init Qwen2 (`engine.model.build_tiny_qwen2`, torch
+seed 0, tied embeddings), the same 512 prompts (`engine.tasks`), the same character vocab
+and the same reward rule. Each side runs in its own spawned process (separate peak RSS and
+thread pool) and steps only when the parent says "go", so the two sides interleave step by
+step and never compete for the two cores (see `run_interleaved`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # scripts run as `python bench/x.py` from the repo root
+    sys.path.insert(0, str(ROOT))
+if os.environ.get("GRPOD_BENCH_ENGINE_ROOT"):  # profile another checkout's engine/ (before/after)
+    sys.path.insert(0, os.environ["GRPOD_BENCH_ENGINE_ROOT"])
+
+import torch  # noqa: E402
+
+from engine.tokenizer import ARITH_CHARS, BOS, EOS, PAD, SPECIALS  # noqa: E402
+
+THREADS = 2
+GROUP_SIZE = 8
+PROMPTS_PER_STEP = 16
+MAX_NEW_TOKENS = 4
+LR = 1e-3
+OUT_DIR = ROOT / "bench" / "out"
+
+
+# ------------------------------------------------------------------ model, tokenizer, task
+def build_model(vocab_size: int = len(SPECIALS) + len(ARITH_CHARS), **overrides: Any):
+    """The W1 Qwen2 (or W3 with `overrides`): random init under torch seed 0, FP32, tied."""
+    from engine.model import TINY_QWEN2, build_tiny_qwen2
+
+    if not overrides:
+        return build_tiny_qwen2(vocab_size, 64, seed=0)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        max_position_embeddings=64,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        attn_implementation="sdpa",
+        **{**TINY_QWEN2, **overrides},
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    return model.float()
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of the state dict, to show both sides start from identical weights."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def build_hf_tokenizer(chars: str = ARITH_CHARS):
+    """A local `PreTrainedTokenizerFast` with the engine's ids: one token per character.
+
+    `<pad>`=0, `<bos>`=1, `<eos>`=2, then `chars` in order (what `CharTokenizer` assigns);
+    encoding a text prepends `<bos>` as the engine does; decoding concatenates.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {name: i for i, name in enumerate(SPECIALS)}
+    vocab.update({ch: i + len(SPECIALS) for i, ch in enumerate(chars)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=SPECIALS[PAD]))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{SPECIALS[BOS]} $A", special_tokens=[(SPECIALS[BOS], BOS)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIALS[BOS],
+        eos_token=SPECIALS[EOS],
+        pad_token=SPECIALS[PAD],
+    )
+
+
+def task_prompts(task: str) -> list[tuple[str, str]]:
+    """`(prompt text, answer)` for the 512 W1 (`arith`) or W1c (`copy`) prompts."""
+    from engine.tasks import build_task
+
+    return [(p.text, p.answer) for p in build_task(task).prompts]
+
+
+def completion_reward(completion_ids: list[int], answer: str) -> float:
+    """The engine's reward rule on token ids: the first character of the decoded completion.
+
+    The engine decodes with `CharTokenizer.decode` (stop at `<eos>`, drop `<pad>`/`<bos>`)
+    and rewards 1.0 iff the text starts with the answer digit; this is that rule, so TRL is
+    scored exactly as grpod is.
+    """
+    from engine.tokenizer import CharTokenizer
+
+    text = CharTokenizer(ARITH_CHARS).decode(list(completion_ids))
+    return 1.0 if text[:1] == answer[:1] else 0.0
+
+
+# ------------------------------------------------------------------ the two sides
+def set_threads() -> None:
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+    torch.set_num_threads(THREADS)
+
+
+def engine_config(task: str, **overrides: Any):
+    """grpod's W1 settings (the EngineConfig defaults are W1), 2 threads."""
+    from engine import EngineConfig
+
+    return EngineConfig.model_validate({"task": task, "threads": THREADS, "lr": LR, **overrides})
+
+
+TRL_CHANGED = {
+    "learning_rate": (LR, "W1 lr 1e-3 (TRL default 1e-6)"),
+    "lr_scheduler_type": ("constant", "W1/W1c constant lr (TRL default linear decay)"),
+    "bf16": (False, "W1 is FP32 on CPU (TRL default bf16=True)"),
+    "gradient_checkpointing": (False, "the faster setting (TRL default True)"),
+    "per_device_train_batch_size": (PROMPTS_PER_STEP * GROUP_SIZE, "128 completions per step"),
+    "num_generations": (GROUP_SIZE, "8 completions per prompt (also the default)"),
+    "max_completion_length": (MAX_NEW_TOKENS, "4 new tokens (TRL default 512)"),
+    "use_cpu": (True, "CPU run"),
+    "report_to": ("none", "no tracker"),
+    "save_strategy": ("no", "no checkpoints during the benchmark"),
+    "disable_tqdm": (True, "no progress bar on the benchmark's stdout"),
+    "seed": (0, "seed 0 as grpod"),
+}
+
+
+def trl_config(max_steps: int, output_dir: str):
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir,
+        max_steps=max_steps,
+        **{k: v for k, (v, _) in TRL_CHANGED.items()},
+    )
+
+
+def _grpod_worker(conn, task: str, overrides: dict) -> None:
+    set_threads()
+    from engine import Engine
+
+    engine = Engine(engine_config(task, **overrides))
+    conn.send(("ready", weights_digest(engine.model)))
+    while conn.recv() == "go":
+        started = time.perf_counter()
+        batch = engine.rollout()
+        report = engine.accumulate(batch)
+        engine.apply()
+        seconds = time.perf_counter() - started
+        tokens = int(batch.completion_lengths.sum())
+        conn.send(("step", seconds, report.reward_mean, tokens, dict(report.phase_seconds)))
+    conn.send(("done", peak_rss_mib()))
+
+
+def _trl_worker(conn, task: str, max_steps: int) -> None:
+    set_threads()
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- TRL prints its log dicts; not ours
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    prompts = task_prompts(task)
+    dataset = Dataset.from_list([{"prompt": p, "answer": a} for p, a in prompts])
+    last: dict[str, float] = {}
+
+    def reward(prompts, completions, completion_ids, answer, **_) -> list[float]:
+        values = [completion_reward(ids, a) for ids, a in zip(completion_ids, answer)]
+        last["reward"] = sum(values) / len(values)
+        last["tokens"] = sum(len(ids) for ids in completion_ids)
+        return values
+
+    class Lockstep(TrainerCallback):
+        """Blocks at every step start until the parent says go; reports the step that ended."""
+
+        started: float | None = None
+
+        def _report(self) -> None:
+            if self.started is not None:
+                seconds = time.perf_counter() - self.started
+                conn.send(("step", seconds, last["reward"], last["tokens"], {}))
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._report()
+            if conn.recv() != "go":
+                raise _Stop
+            self.started = time.perf_counter()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self._report()
+
+    model = build_model()
+    with tempfile.TemporaryDirectory() as out:
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[reward],
+            args=trl_config(max_steps, out),
+            train_dataset=dataset,
+            processing_class=build_hf_tokenizer(),
+            callbacks=[Lockstep()],
+        )
+        conn.send(("ready", weights_digest(trainer.model)))
+        try:
+            trainer.train()
+            conn.recv()  # the parent's final "stop"
+        except _Stop:  # stopped early, between steps
+            pass
+    conn.send(("done", peak_rss_mib()))
+
+
+class _Stop(Exception):
+    """The parent ended the run before TRL's max_steps."""
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def run_interleaved(
+    task: str,
+    steps: int,
+    grpod_overrides: dict | None = None,
+    stop: Callable[[dict], bool] | None = None,
+) -> dict[str, dict]:
+    """Run up to `steps` steps of grpod and TRL in lock step; returns per-side traces.
+
+    The order alternates every step (grpod first on even steps, TRL first on odd ones) so a
+    slow spell on the shared machine hits both sides alike. `stop(trace)` ends the run early.
+    """
+    ctx = mp.get_context("spawn")
+    sides = {}
+    for name, target, args in (
+        ("grpod", _grpod_worker, (task, grpod_overrides or {})),
+        ("trl", _trl_worker, (task, steps)),
+    ):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        proc.start()
+        sides[name] = {"conn": parent, "proc": proc}
+    trace: dict[str, dict] = {}
+    for name, side in sides.items():
+        kind, digest = side["conn"].recv()
+        assert kind == "ready", kind
+        trace[name] = {"weights": digest, "seconds": [], "reward": [], "tokens": [], "phases": []}
+    for k in range(steps):
+        order = ("grpod", "trl") if k % 2 == 0 else ("trl", "grpod")
+        for name in order:
+            conn = sides[name]["conn"]
+            conn.send("go")
+            kind, seconds, reward, tokens, phases = conn.recv()
+            assert kind == "step", kind
+            t = trace[name]
+            t["seconds"].append(seconds)
+            t["reward"].append(reward)
+            t["tokens"].append(tokens)
+            t["phases"].append(phases)
+        if (k + 1) % 25 == 0:  # progress on stderr; stdout carries only the JSON line
+            g, t = trace["grpod"], trace["trl"]
+            print(
+                f"step {k + 1}: grpod {sum(g['seconds']):.1f} s reward {g['reward'][-1]:.2f}, "
+                f"trl {sum(t['seconds']):.1f} s reward {t['reward'][-1]:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
+        if stop is not None and stop(trace):
+            break
+    for name, side in sides.items():
+        side["conn"].send("stop")
+        kind, rss = side["conn"].recv()
+        trace[name]["peak_rss_mib"] = rss
+        side["proc"].join(timeout=60)
+    return trace
+
+
+# ------------------------------------------------------------------ reporting
+def summarise(t: dict, first_step: int = 3) -> dict[str, float]:
+    """Median s/step over steps `first_step`..N (1-based), rates, RSS, reward first/last 5."""
+    window = t["seconds"][first_step - 1 :]
+    median = statistics.median(window)
+    tokens = statistics.mean(t["tokens"][first_step - 1 :])
+    return {
+        "median_s_per_step": round(median, 5),
+        "completions_per_s": round(PROMPTS_PER_STEP * GROUP_SIZE / median, 1),
+        "completion_tokens_per_s": round(tokens / median, 1),
+        "peak_rss_mib": round(t["peak_rss_mib"], 1),
+        "reward_first5": round(statistics.mean(t["reward"][:5]), 4),
+        "reward_last5": round(statistics.mean(t["reward"][-5:]), 4),
+    }
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    out["transformers"] = transformers.__version__
+    try:
+        import trl
+
+        out["trl"] = trl.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def emit(record: dict) -> None:
+    """Print the one JSON line of a benchmark and append it to bench/out/results.jsonl."""
+    record = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        **record,
+        "versions": versions(),
+        "threads": THREADS,
+        "cpus": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+    line = json.dumps(record, sort_keys=False)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    with open(OUT_DIR / "results.jsonl", "a") as fh:
+        fh.write(line + "\n")
+    print(line, flush=True)

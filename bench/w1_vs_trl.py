@@ -1,0 +1,46 @@
+"""W1 `tiny-arith`: grpod's engine against TRL's GRPOTrainer, interleaved step by step.
+
+    .venv/bin/python bench/w1_vs_trl.py [--steps 40]
+
+Prints one JSON line: per side median s/step over steps 3..N, completions/s, completion
+tokens/s, peak RSS, first/last 5-step mean reward; and the grpod / TRL ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from common import TRL_CHANGED, emit, run_interleaved, summarise
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    trace = run_interleaved("arith", args.steps)
+    sides = {name: summarise(t) for name, t in trace.items()}
+    g, t = sides["grpod"], sides["trl"]
+    phases = trace["grpod"]["phases"][2:]
+    emit(
+        {
+            "workload": "W1",
+            "steps": args.steps,
+            "same_initial_weights": trace["grpod"]["weights"] == trace["trl"]["weights"],
+            "grpod": g,
+            "trl": t,
+            "grpod_phase_median_s": {
+                k: round(statistics.median(p[k] for p in phases), 5) for k in phases[0]
+            },
+            "ratio_completions_per_s": round(g["completions_per_s"] / t["completions_per_s"], 2),
+            "ratio_completion_tokens_per_s": round(
+                g["completion_tokens_per_s"] / t["completion_tokens_per_s"], 2
+            ),
+            "ratio_peak_rss": round(g["peak_rss_mib"] / t["peak_rss_mib"], 2),
+            "trl_changed": sorted(TRL_CHANGED),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""W1c `tiny-copy`: steps and wall seconds to a 5-step mean reward of 0.8 and 0.9, both sides.
+
+    .venv/bin/python bench/w1c_learning.py [--steps 300] [--png bench/out/w1c_curves.png]
+
+grpod and TRL run interleaved step by step in one invocation with the same hyperparameters
+(constant lr 1e-3), until both reach 0.9 (or `--steps`; `--full` runs them all). Wall seconds
+are each side's own step time summed up to the step that first reaches the threshold (the
+lock-step waits are not counted). Prints one JSON line and writes a PNG of both reward curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from common import OUT_DIR, TRL_CHANGED, emit, run_interleaved, summarise
+
+THRESHOLDS = (0.8, 0.9)
+WINDOW = 5
+
+
+def running_mean(values: list[float], window: int = WINDOW) -> list[float]:
+    """Mean of the last `window` values at each step (fewer at the start)."""
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - window + 1) : i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def first_reach(trace: dict, threshold: float) -> dict[str, float | None]:
+    """1-based step at which the 5-step mean first reaches `threshold`, and seconds so far."""
+    means = running_mean(trace["reward"])
+    for i, value in enumerate(means):
+        if i + 1 >= WINDOW and value >= threshold:
+            return {"step": i + 1, "wall_s": round(sum(trace["seconds"][: i + 1]), 2)}
+    return {"step": None, "wall_s": None}
+
+
+def plot(trace: dict, path: Path, dpi: int = 100) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=dpi)
+    for name, color in (("grpod", "tab:blue"), ("trl", "tab:orange")):
+        rewards = trace[name]["reward"]
+        steps = range(1, len(rewards) + 1)
+        label = "grpod" if name == "grpod" else "TRL GRPOTrainer"
+        ax.plot(steps, rewards, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(steps, running_mean(rewards), color=color, label=f"{label} (5-step mean)")
+    for threshold in THRESHOLDS:
+        ax.axhline(threshold, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean reward")
+    ax.set_title("W1c tiny-copy: reward per step, same model / prompts / settings")
+    ax.set_ylim(0, 1.02)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--png", type=Path, default=OUT_DIR / "w1c_curves.png")
+    parser.add_argument(
+        "--full", action="store_true", help="run every step, not only until both reach 0.9"
+    )
+    args = parser.parse_args()
+
+    def both_reached(trace: dict) -> bool:
+        return not args.full and all(
+            first_reach(t, THRESHOLDS[-1])["step"] is not None for t in trace.values()
+        )
+
+    trace = run_interleaved("copy", args.steps, stop=both_reached)
+    plot(trace, args.png)
+    sides = {}
+    for name, t in trace.items():
+        sides[name] = {
+            **{f"reach_{x}": first_reach(t, x) for x in THRESHOLDS},
+            "total_wall_s": round(sum(t["seconds"]), 2),
+            **summarise(t),
+        }
+    ratios = {}
+    for x in THRESHOLDS:
+        g, t = sides["grpod"][f"reach_{x}"], sides["trl"][f"reach_{x}"]
+        if g["step"] and t["step"]:
+            ratios[f"steps_to_{x}_grpod_over_trl"] = round(g["step"] / t["step"], 2)
+            ratios[f"wall_to_{x}_trl_over_grpod"] = round(t["wall_s"] / g["wall_s"], 2)
+    emit(
+        {
+            "workload": "W1c",
+            "steps": args.steps,
+            "steps_run": len(trace["grpod"]["reward"]),
+            "same_initial_weights": trace["grpod"]["weights"] == trace["trl"]["weights"],
+            "grpod": sides["grpod"],
+            "trl": sides["trl"],
+            **ratios,
+            "ratio_completions_per_s": round(
+                sides["grpod"]["completions_per_s"] / sides["trl"]["completions_per_s"], 2
+            ),
+            "png": str(args.png),
+            "trl_changed": sorted(TRL_CHANGED),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
