@@ -32,7 +32,7 @@ def test_plot_renders_every_view_of_a_real_run(
         # Curves and markers in colour, not just black axes on white.
         rgb = pixels[..., :3].reshape(-1, 3)
         saturated = (rgb.max(axis=1) - rgb.min(axis=1)) > 0.3
-        assert saturated.sum() > 200, f"{name} has no coloured data"
+        assert saturated.sum() > 50, f"{name} has no coloured data"  # 6 points are ~100 px
 
 
 def test_plot_reads_every_step_and_the_incident(daemon_run: DaemonRun) -> None:
