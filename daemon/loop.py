@@ -269,7 +269,9 @@ class Daemon:
         self.signals.abortable = False
         if self.progress is not None:
             self.progress.finish()
-        state = {EXIT_OK: "stopped", EXIT_HALT: "halted"}.get(code, "failed")
+        state = {EXIT_OK: "stopped", EXIT_HALT: "halted", EXIT_FAILURE: "failed"}.get(
+            code, "abandoned"
+        )
         self.notifier.stopping(f"{state}: {reason}")
         self.health.stop(reason)
         self.metrics.halted.set(int(code == EXIT_HALT))
