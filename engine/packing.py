@@ -159,6 +159,8 @@ def trunk_layout(
     at = 0
     for s, n in zip(values.tolist(), counts.tolist()):
         if s >= 0:
+            if s in spans:  # a sample in two places is not a packed batch: run it as laid out
+                return _plain_layout(input_ids, position_ids, sample_ids)
             spans[s] = [at, at + n, -1, -1]
         at += n
     owner = sid.tolist()
