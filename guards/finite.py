@@ -78,7 +78,9 @@ class FiniteGuard(Guard):
         tensors = list(weights)
         if not tensors:
             return []
-        finite = torch.stack([torch.isfinite(w.detach()).all() for w in tensors])  # one sync
+        # one fused norm per tensor and one sync; a non-finite value makes its norm non-finite
+        norms = torch._foreach_norm([w.detach() for w in tensors])
+        finite = torch.isfinite(torch.stack(norms))
         bad = int((~finite).sum())
         if not bad:
             return []
