@@ -14,6 +14,7 @@ from daemon.metrics import PHASE_BUCKETS, Metrics
 from engine import StepReport
 from guards import Action, Finding, Verdict
 from tests.daemon.helpers import parse_metrics
+from tests.reports import make_report
 
 CONTRACT_NAMES = [
     "grpod_step",
@@ -49,19 +50,15 @@ CONTRACT_NAMES = [
 
 def report(step: int = 3, **overrides: object) -> StepReport:
     values = dict(
-        step=step,
         valid_tokens=50,
         expected_valid_tokens=52,
         loss=0.25,
         micro_losses=[0.25],
         grad_norm=2.0,
         clip_coef=0.5,
-        lr=1e-3,
         reward_mean=0.75,
         reward_std=0.4,
-        zero_std_group_fraction=0.25,
         advantage_abs_max=1.5,
-        kl=None,
         clip_fraction_low=0.01,
         clip_fraction_high=0.02,
         mismatch_mean=0.01,
@@ -70,12 +67,10 @@ def report(step: int = 3, **overrides: object) -> StepReport:
         mismatch_max=0.2,
         mismatch_frac_above_0_1=0.005,
         completion_length_mean=3.5,
-        completion_length_max=4,
-        num_micros=2,
         num_samples=16,
         phase_seconds={"rollout": 0.04, "score": 0.0, "grad": 0.06, "optim": 0.01},
     )
-    return StepReport(**{**values, **overrides})
+    return make_report(step=step, **{**values, **overrides})
 
 
 def test_every_contract_name_and_the_values() -> None:

@@ -16,6 +16,7 @@ from sqlalchemy import select, text
 from engine import StepReport, TransportBatch
 from forensics import FlightRecorder, ForensicsConfig, ForensicsError, Store
 from forensics.models import Base, Blob, Checkpoint, Incident, Run, Step
+from tests.reports import make_report
 
 
 def tiny_batch(step: int) -> TransportBatch:
@@ -39,7 +40,7 @@ def tiny_batch(step: int) -> TransportBatch:
 
 
 def tiny_report(step: int, loss: float = 0.25) -> StepReport:
-    return StepReport(
+    return make_report(
         step=step,
         valid_tokens=8,
         expected_valid_tokens=8,
@@ -47,23 +48,15 @@ def tiny_report(step: int, loss: float = 0.25) -> StepReport:
         micro_losses=[loss],
         grad_norm=1.5,
         clip_coef=0.66,
-        lr=1e-3,
-        reward_mean=0.5,
-        reward_std=0.5,
         zero_std_group_fraction=0.0,
         advantage_abs_max=0.5,
-        kl=None,
-        clip_fraction_low=0.0,
-        clip_fraction_high=0.0,
         mismatch_mean=None,
         mismatch_p90=None,
         mismatch_p99=None,
         mismatch_max=None,
         mismatch_frac_above_0_1=None,
         completion_length_mean=4.0,
-        completion_length_max=4,
         num_micros=1,
-        num_samples=2,
         micro_order=[0],
     )
 
