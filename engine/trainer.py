@@ -62,6 +62,8 @@ class Engine:
             betas=config.adam_betas,
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
+            # one kernel per parameter instead of ~10 ops each (CPU and CUDA have it)
+            fused=self.device.type in ("cpu", "cuda") or None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.counter = ValidTokenCounter(per_chunk_reset=config.accounting_fault != "none")
@@ -348,6 +350,10 @@ class Engine:
                 yield [micro], _layout(batch, [micro])
             return
         budget = batch.input_ids.shape[1] * batch.seq_len
+        everything = _layout(batch, list(range(batch.num_micros)))
+        if everything.input_ids.numel() <= budget:  # the common case: one pass, one layout
+            yield list(range(batch.num_micros)), everything
+            return
         micros: list[int] = []
         layout: TrunkLayout | None = None
         for micro in range(batch.num_micros):
