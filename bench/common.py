@@ -256,23 +256,41 @@ def run_interleaved(
     The order alternates every step (grpod first on even steps, TRL first on odd ones) so a
     slow spell on the shared machine hits both sides alike. `stop(trace)` ends the run early.
     """
+    return run_lockstep(
+        {
+            "grpod": (_grpod_worker, (task, grpod_overrides or {}), {}),
+            "trl": (_trl_worker, (task, steps), {}),
+        },
+        steps,
+        stop,
+    )
+
+
+def run_lockstep(
+    specs: dict[str, tuple[Callable, tuple, dict[str, str]]],
+    steps: int,
+    stop: Callable[[dict], bool] | None = None,
+) -> dict[str, dict]:
+    """Two workers `{name: (target, args, extra environment)}` stepped alternately."""
     ctx = mp.get_context("spawn")
     sides = {}
-    for name, target, args in (
-        ("grpod", _grpod_worker, (task, grpod_overrides or {})),
-        ("trl", _trl_worker, (task, steps)),
-    ):
+    for name, (target, args, env) in specs.items():
+        saved = dict(os.environ)
+        os.environ.update(env)  # a spawned child starts with the parent's environment
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=target, args=(child, *args), daemon=True)
         proc.start()
+        os.environ.clear()
+        os.environ.update(saved)
         sides[name] = {"conn": parent, "proc": proc}
+    names = list(specs)
     trace: dict[str, dict] = {}
     for name, side in sides.items():
         kind, digest = side["conn"].recv()
         assert kind == "ready", kind
         trace[name] = {"weights": digest, "seconds": [], "reward": [], "tokens": [], "phases": []}
     for k in range(steps):
-        order = ("grpod", "trl") if k % 2 == 0 else ("trl", "grpod")
+        order = names if k % 2 == 0 else names[::-1]
         for name in order:
             conn = sides[name]["conn"]
             conn.send("go")
@@ -284,10 +302,12 @@ def run_interleaved(
             t["tokens"].append(tokens)
             t["phases"].append(phases)
         if (k + 1) % 25 == 0:  # progress on stderr; stdout carries only the JSON line
-            g, t = trace["grpod"], trace["trl"]
             print(
-                f"step {k + 1}: grpod {sum(g['seconds']):.1f} s reward {g['reward'][-1]:.2f}, "
-                f"trl {sum(t['seconds']):.1f} s reward {t['reward'][-1]:.2f}",
+                f"step {k + 1}: "
+                + ", ".join(
+                    f"{n} {sum(trace[n]['seconds']):.1f} s reward {trace[n]['reward'][-1]:.2f}"
+                    for n in names
+                ),
                 file=sys.stderr,
                 flush=True,
             )
