@@ -67,14 +67,21 @@ class _FixedPromptTask(Task):
     prompts: list[Prompt]
 
     def prompts_for_step(self, step: int, n: int, seed: int) -> list[Prompt]:
-        out: list[Prompt] = []
         total = len(self.prompts)
+        out: list[Prompt] = []
         for k in range(step * n, step * n + n):
             epoch, pos = divmod(k, total)
-            order = list(range(total))
-            random.Random(seed * 1_000_003 + epoch).shuffle(order)
-            out.append(self.prompts[order[pos]])
+            out.append(self.prompts[self._epoch_order(seed, epoch)[pos]])
         return out
+
+    def _epoch_order(self, seed: int, epoch: int) -> list[int]:
+        """The seeded permutation of one epoch, computed once (the last one is kept)."""
+        key = (seed, epoch)
+        if getattr(self, "_order_key", None) != key:
+            order = list(range(len(self.prompts)))
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+            self._order_key, self._order = key, order
+        return self._order
 
 
 class ArithTask(_FixedPromptTask):
