@@ -20,6 +20,7 @@ from typing import Any
 from daemon.config import DEFAULT_ROOT, GrpodConfig, load_config, validate
 from daemon.errors import ConfigError
 from daemon.example import dump_toml
+from engine.checkpoint import fsync_dir
 
 CONFIG_NAME = "config.toml"
 RUN_NAME = "run.json"
@@ -63,7 +64,7 @@ class RunDir:
         record = {"run_id": run_id, "created_at": time.time(), "config": CONFIG_NAME}
         _write_atomic(tmp / RUN_NAME, json.dumps(record) + "\n")
         os.rename(tmp, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
 
     def remove_stale_temporaries(self) -> list[str]:
         """Checkpoint directories a killed process left half-written (never referenced)."""
@@ -144,14 +145,6 @@ def link_latest(link: Path, target: Path) -> None:
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(target.name if target.parent == link.parent else target.resolve())
     os.replace(tmp, link)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_atomic(path: Path, text: str, fsync: bool = True) -> None:

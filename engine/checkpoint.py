@@ -63,7 +63,7 @@ def save_checkpoint(
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final
 
 
@@ -112,7 +112,8 @@ def _lambda_free(value: Any) -> Any:
     return None  # LambdaLR keeps its lambdas out of state_dict; anything else unknown is dropped
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in directory `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

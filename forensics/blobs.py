@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save
 
+from engine.checkpoint import fsync_dir
 from forensics.errors import ForensicsError
 
 BLOB_DIR = Path("blobs") / "sha256"
@@ -69,7 +70,7 @@ class BlobStore:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         return digest, len(data)
 
     def read(self, digest: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -108,14 +109,6 @@ def _metadata(data: bytes) -> dict[str, str]:
     (length,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + length])
     return dict(header.get("__metadata__", {}) or {})
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _first_line(exc: BaseException) -> str:
