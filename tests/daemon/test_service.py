@@ -18,6 +18,7 @@ import pytest
 
 from tests.daemon.helpers import (
     GRPOD,
+    TINY_ENGINE,
     Grpod,
     free_port,
     http_get,
@@ -257,16 +258,7 @@ def test_halt_checkpoints_and_exits_3(tmp_path: Path) -> None:
     assert recorded_steps(tmp_path / "run")[-1][1] == "flushed"
 
 
-HALT_ENGINE = {
-    "task": "copy",
-    "prompts_per_step": 4,
-    "group_size": 4,
-    "micro_batch_rows": 4,
-    "seq_len": 16,
-    "max_new_tokens": 2,
-    "threads": 1,
-    "fault_nan_loss_steps": [1, 2],
-}
+HALT_ENGINE = {**TINY_ENGINE, "fault_nan_loss_steps": [1, 2]}
 
 
 def test_second_sigterm_drops_the_step_and_exits_without_checkpoint(tmp_path: Path) -> None:
