@@ -249,17 +249,6 @@ class Engine:
         return report
 
     # ----------------------------------------------------------------- machinery
-    def _micro_loss(
-        self,
-        batch: TransportBatch,
-        micro: int,
-        reference: torch.Tensor | None,
-        stats: StepStats,
-    ) -> torch.Tensor:
-        """Sum of per-token losses of one micro, computed chunk by chunk in `chunk_order`."""
-        hidden, source = self._trunk(self.model, batch, micro)
-        return self._chunk_losses(batch, micro, hidden, source, reference, stats)
-
     def _chunk_losses(
         self,
         batch: TransportBatch,
@@ -315,17 +304,6 @@ class Engine:
     def _gather(self, tensor: torch.Tensor, micro: int, index: torch.Tensor) -> torch.Tensor:
         """Host tensor `[micros, rows, seq]` -> the micro's values at flat `index`, on device."""
         return tensor[micro].reshape(-1)[index].to(self.device, non_blocking=True)
-
-    def _forward(
-        self, model: torch.nn.Module, batch: TransportBatch, micro: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Trunk hidden states `[rows * seq, H]` and token ids `[rows * seq]` of one micro.
-
-        Positions the trunk does not run (padding, a sample's tail after its last scoring
-        position) read zeros; every position p-1 that scores a trainable token p is exact.
-        """
-        hidden, source = self._trunk(model, batch, micro)
-        return hidden[source], batch.input_ids[micro].reshape(-1).to(self.device)
 
     def _trunk(
         self, model: torch.nn.Module, batch: TransportBatch, micro: int
