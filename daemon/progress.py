@@ -39,10 +39,6 @@ class Progress:
         if self._line:
             self._write("\r\x1b[K")
 
-    def redraw(self) -> None:
-        if self._line:
-            self._write("\r\x1b[K" + self._line)
-
     def finish(self) -> None:
         if self._line:
             self._write("\n")
