@@ -29,6 +29,9 @@ class EngineConfig(BaseModel):
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     rollout_backend: Literal["torch", "vllm"] = "torch"
+    rollout_decoder: Literal["auto", "hf"] = Field(
+        "auto", description="torch backend: auto = fused static-cache decoder for Qwen2/Llama"
+    )
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
     device: str = Field(
         "cpu", pattern=r"^(cpu|cuda(:\d+)?|auto)$", description="cpu | cuda[:N] | auto"

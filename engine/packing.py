@@ -187,8 +187,7 @@ def trunk_layout(
         for members in units.values()
         for start, first, _ in members[:1]
     ]
-    width = max(seq, *lengths)
-    placed = first_fit_decreasing(lengths, width)
+    width, placed = _tightest_rows(lengths, max(seq, *lengths))
     flat = len(placed) * width
     c_ids, c_pos = [0] * flat, [0] * flat
     c_unit, c_member = [-1] * flat, [-1] * flat
@@ -226,6 +225,28 @@ def trunk_layout(
         source=torch.tensor(source),
         tokens=sum(lengths),
     )
+
+
+def _tightest_rows(lengths: list[int], widest: int) -> tuple[int, list[list[int]]]:
+    """A row width in `[max(lengths), widest]` and its first-fit-decreasing packing with few
+    slots (rows x width): every slot runs through every matmul, padding included.
+
+    From the row count of the widest rows (the fewest) up to 8 more rows, it takes for each
+    count the narrowest width (within 8 of the average) whose packing needs no more rows.
+    """
+    total, longest = sum(lengths), max(lengths)
+    placed = first_fit_decreasing(lengths, widest)
+    best = (len(placed) * widest, widest, placed)
+    for rows in range(len(placed), len(placed) + 9):
+        start = max(longest, -(-total // rows))
+        for width in range(start, min(widest, start + 8)):
+            if rows * width >= best[0]:
+                break
+            placed = first_fit_decreasing(lengths, width)
+            if len(placed) <= rows:
+                best = (len(placed) * width, width, placed)
+                break
+    return best[1], best[2]
 
 
 def _plain_layout(

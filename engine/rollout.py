@@ -6,10 +6,12 @@ Runs under `torch.no_grad` (not `inference_mode`: its tensors feed the gradient 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from engine.fused import StaticDecoder, unsupported
 from engine.model import compute_context
 
 
@@ -43,11 +45,14 @@ def sample(
     pad_token_id: int,
     generator: torch.Generator,
     dtype: str = "float32",
+    decoder: str = "auto",
 ) -> Rollout:
     """Sample one completion per prompt (repeat prompts for a group).
 
     Each distinct prompt is prefilled once; its KV cache and first-token logits are then
-    fanned out to every completion that shares it (a group's siblings).
+    fanned out to every completion that shares it (a group's siblings). `decoder="auto"`
+    decodes with `engine.fused.StaticDecoder` where it covers the model, `"hf"` always
+    through the Hugging Face forward.
     """
     n = len(prompts)
     device = next(model.parameters()).device
@@ -58,34 +63,21 @@ def sample(
     ragged = bool((attn == 0).any())
     ids, attn = ids.to(device), attn.to(device)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    fan_out = torch.tensor(inverse, device=device) if shared else None
     out_ids = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     out_lp = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     alive = torch.ones(n, dtype=torch.bool, device=device)
     lengths = torch.zeros(n, dtype=torch.long, device=device)
-    cache_arg = _cache_argument(model)
-
-    def forward(step_ids, step_pos, attn, cache):
-        out = model(
-            input_ids=step_ids,
-            position_ids=step_pos,
-            attention_mask=attn if ragged else None,
-            use_cache=True,
-            **{cache_arg: cache},
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1], getattr(out, "cache", None) or out.past_key_values
+    static = decoder == "auto" and unsupported(model) is None
 
     with compute_context(dtype, device):
-        logits, cache = forward(ids, positions, attn, None)  # the prefill
-        if shared:
-            fan_out = torch.tensor(inverse, device=device)
-            ids, attn, positions = ids[fan_out], attn[fan_out], positions[fan_out]
-            if hasattr(cache, "batch_select_indices"):
-                cache.batch_select_indices(fan_out)
-                logits = logits[fan_out]
-            else:  # a cache that cannot be fanned out: prefill every row instead
-                logits, cache = forward(ids, positions, attn, None)
-        step_pos = positions[:, -1:]
+        if static:
+            fast = StaticDecoder(model, n, ids.shape[1] + max_new_tokens)
+            logits = fast.prefill(ids, positions, attn.bool() if ragged else None, fan_out)
+            step = fast.step
+        else:
+            logits, step = _hf_decoder(model, ids, positions, attn if ragged else None, fan_out)
+        step_pos = positions[:, -1] if fan_out is None else positions[fan_out, -1]
         for t in range(max_new_tokens):
             logits = logits.float()
             if temperature != 1.0:
@@ -99,11 +91,52 @@ def sample(
             if t == max_new_tokens - 1 or not bool(alive.any()):
                 break
             step_pos = step_pos + 1
-            if ragged:
-                attn = torch.cat([attn, attn.new_ones((n, 1))], dim=1)
-            logits, cache = forward(token[:, None], step_pos, attn, cache)
+            logits = step(token, step_pos)
     mask = torch.arange(max_new_tokens, device=device)[None, :] < lengths[:, None]
     return Rollout(out_ids.cpu(), out_lp.cpu(), mask.cpu())
+
+
+def _hf_decoder(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    attn: torch.Tensor | None,
+    fan_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """Prefill through the Hugging Face forward; the first logits and a per-token step."""
+    cache_arg = _cache_argument(model)
+
+    def forward(step_ids, step_pos, attn, cache):
+        out = model(
+            input_ids=step_ids,
+            position_ids=step_pos,
+            attention_mask=attn,
+            use_cache=True,
+            **{cache_arg: cache},
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1], getattr(out, "cache", None) or out.past_key_values
+
+    logits, cache = forward(ids, positions, attn, None)
+    if fan_out is not None:
+        ids, positions = ids[fan_out], positions[fan_out]
+        attn = None if attn is None else attn[fan_out]
+        if hasattr(cache, "batch_select_indices"):
+            cache.batch_select_indices(fan_out)
+            logits = logits[fan_out]
+        else:  # a cache that cannot be fanned out: prefill every row instead
+            logits, cache = forward(ids, positions, attn, None)
+    state = {"cache": cache, "attn": attn}
+
+    def step(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        if state["attn"] is not None:
+            state["attn"] = torch.cat([state["attn"], state["attn"].new_ones((len(token), 1))], 1)
+        logits, state["cache"] = forward(
+            token[:, None], position[:, None], state["attn"], state["cache"]
+        )
+        return logits
+
+    return logits, step
 
 
 def _left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -398,7 +398,14 @@ class Engine:
             self.vllm.sync(self.model)
             return self.vllm.sample(prompts, seed=seed, **settings)
         generator = torch.Generator(self.device).manual_seed(seed)
-        return sample(self.model, prompts, generator=generator, dtype=cfg.dtype, **settings)
+        return sample(
+            self.model,
+            prompts,
+            generator=generator,
+            dtype=cfg.dtype,
+            decoder=cfg.rollout_decoder,
+            **settings,
+        )
 
     def _encode_prompt(self, text: str) -> list[int]:
         try:

@@ -1,0 +1,227 @@
+"""A fused static-cache decoder for Qwen2 / Llama-family policies (the torch sampler's).
+
+A decode step is a few hundred rows of one token each through a small model: there the
+Hugging Face plumbing (cache objects, mask builders, one call per projection) and the fused
+SDPA kernel's setup cost as much as the arithmetic. `StaticDecoder` computes the model's own
+forward from its own parameters with
+
+- the q/k/v and gate/up projections fused into one matmul each,
+- a KV cache preallocated once per generation and written in place,
+- attention as two batched matmuls while the key axis is short (`MATH_ATTENTION_MAX_KEYS`,
+  SDPA beyond it), grouped-query attention without copying K/V: the query heads that share
+  a K/V head are laid along the query axis of one attention call,
+- rotary cos/sin looked up from one table instead of recomputed per forward.
+
+It is the model's forward up to FP32 rounding (tests/engine/test_fused.py holds it to the
+Hugging Face logits step by step), so the sampler's logprobs still match the trainer's.
+`unsupported` says when a model is not covered (another architecture, sliding windows,
+length-dependent RoPE, forward hooks that a Hugging Face forward would run); those decode
+through Hugging Face. The training trunk stays the Hugging Face forward: at W1's sizes this
+fused form measured no faster there (fwd+bwd 1.02x slower, bench/README.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ARCHITECTURES = frozenset({"qwen2", "llama"})
+MATH_ATTENTION_MAX_KEYS = 256  # above this a materialised score matrix costs more than SDPA
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why `model` must run through Hugging Face, or None when these paths cover it."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        return f"architecture {model_type!r} is not one of {sorted(ARCHITECTURES)}"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {config.hidden_act!r} is not silu"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    if getattr(config, "mlp_bias", False):
+        return "MLP biases"
+    rope_type = getattr(getattr(model.base_model, "rotary_emb", None), "rope_type", None)
+    if rope_type is None or rope_type in ("dynamic", "longrope"):
+        return f"rope type {rope_type!r} depends on the sequence length"
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return "the model has forward hooks"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """One decoder layer's parameters with its projections fused."""
+
+    attn_norm: tuple[torch.Tensor, float]
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    mlp_norm: tuple[torch.Tensor, float]
+    gate_up_weight: torch.Tensor
+    down_weight: torch.Tensor
+
+
+class _Fused:
+    """The model's parameters with projections fused, and the per-layer arithmetic."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        config = model.config
+        base = model.base_model
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.rep = self.heads // self.kv_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scale = self.head_dim**-0.5
+        self.rotary = base.rotary_emb
+        self.embed = base.embed_tokens.weight
+        self.padding_idx = base.embed_tokens.padding_idx  # its row gets no gradient, as in HF
+        self.norm = (base.norm.weight, base.norm.variance_epsilon)
+        self.layers = [_fused_layer(layer) for layer in base.layers]
+
+    def qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated q `[n, s, heads, hd]` and k, v `[n, s, kv, hd]` of `x: [n, s, H]`."""
+        n, s, _ = x.shape
+        h = _rms_norm(x, layer.attn_norm)
+        qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias).view(n, s, -1, self.head_dim)
+        split = self.heads + self.kv_heads
+        qk, v = qkv[:, :, :split], qkv[:, :, split:]
+        half = self.head_dim // 2
+        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        return qk[:, :, : self.heads], qk[:, :, self.heads :], v
+
+    def finish(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, MLP, residual (`attn: [n, s, heads * hd]`)."""
+        x = x + F.linear(attn, layer.o_weight, layer.o_bias)
+        gate, up = F.linear(_rms_norm(x, layer.mlp_norm), layer.gate_up_weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.down_weight)
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """`q: [n, s, heads, hd]`, `k, v: [n, kv, L, hd]`, `mask: [n, 1, s, L]` bool (True =
+        attend); returns `[n, s, heads * hd]`. Every query row must see at least one key."""
+        n, s = q.shape[:2]
+        if k.shape[2] > MATH_ATTENTION_MAX_KEYS:
+            q = q.transpose(1, 2)
+            k, v = k.repeat_interleave(self.rep, 1), v.repeat_interleave(self.rep, 1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            return out.transpose(1, 2).reshape(n, s, -1)
+        # head h reads K/V head h // rep: [n, s, kv, rep, hd] -> [n, kv, rep * s, hd]
+        q = q.view(n, s, self.kv_heads, self.rep, self.head_dim).permute(0, 2, 3, 1, 4)
+        q = q.reshape(n, self.kv_heads, self.rep * s, self.head_dim)
+        if self.rep > 1 and s > 1:
+            mask = mask.repeat(1, 1, self.rep, 1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(scores.softmax(-1), v)  # [n, kv, rep * s, hd]
+        out = out.view(n, self.kv_heads, self.rep, s, self.head_dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(n, s, -1)
+
+
+class StaticDecoder:
+    """Prefill + per-token decode for `rows` sequences of up to `max_len` positions.
+
+    Reads the model's parameters at construction (call under `torch.no_grad`); build a new
+    one after an optimizer step.
+    """
+
+    def __init__(self, model: torch.nn.Module, rows: int, max_len: int) -> None:
+        self.fused = _Fused(model)
+        self.head = model.get_output_embeddings().weight
+        weight = self.fused.embed
+        cos, sin = self.fused.rotary(weight[:1], torch.arange(max_len, device=weight.device)[None])
+        self.cos, self.sin = cos[0], sin[0]  # [max_len, hd]
+        self.shape = (rows, self.fused.kv_heads, max_len, self.fused.head_dim)
+        self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # allocated by the prefill
+        self.key_valid = torch.ones(rows, max_len, dtype=torch.bool, device=weight.device)
+        self.length = 0  # positions written so far (the same for every row)
+
+    def prefill(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor | None,
+        fan_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the (left padded) prompts `ids: [d, s]`; logits `[rows, V]` of the last position.
+
+        `valid: [d, s]` marks real prompt tokens (None: no padding). With `fan_out: [rows]`,
+        prompt `fan_out[i]` seeds row i: each distinct prompt is computed once.
+        """
+        fused, (d, s) = self.fused, ids.shape
+        # causal, padding keys hidden, a padding query sees itself (no empty softmax row)
+        mask = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+        if valid is not None:
+            mask = (mask & valid[:, None, :]) | torch.eye(s, dtype=torch.bool, device=ids.device)
+        mask = mask.expand(d, s, s)[:, None]
+        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+        x = F.embedding(ids, fused.embed, fused.padding_idx)
+        self.cache = []
+        for layer in fused.layers:
+            q, k, v = fused.qkv(layer, x, cos, sin)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [d, kv, s, hd]
+            x = fused.finish(layer, x, fused.attention(q, k, v, mask))
+            k_cache, v_cache = k.new_empty(self.shape), v.new_empty(self.shape)
+            k_cache[:, :, :s] = k if fan_out is None else k[fan_out]
+            v_cache[:, :, :s] = v if fan_out is None else v[fan_out]
+            self.cache.append((k_cache, v_cache))
+        if valid is not None:
+            self.key_valid[:, :s] = valid if fan_out is None else valid[fan_out]
+        self.length = s
+        logits = F.linear(_rms_norm(x[:, -1], fused.norm), self.head)
+        return logits if fan_out is None else logits[fan_out]
+
+    def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Append one token per row (`token, position: [rows]`); logits `[rows, V]` after it."""
+        fused, t = self.fused, self.length
+        cos, sin = self.cos[position][:, None, None], self.sin[position][:, None, None]
+        mask = self.key_valid[:, None, None, : t + 1]
+        x = F.embedding(token[:, None], fused.embed, fused.padding_idx)  # [rows, 1, H]
+        for (k_cache, v_cache), layer in zip(self.cache, fused.layers):
+            q, k, v = fused.qkv(layer, x, cos, sin)
+            k_cache[:, :, t : t + 1] = k.transpose(1, 2)
+            v_cache[:, :, t : t + 1] = v.transpose(1, 2)
+            attn = fused.attention(q, k_cache[:, :, : t + 1], v_cache[:, :, : t + 1], mask)
+            x = fused.finish(layer, x, attn)
+        self.length = t + 1
+        return F.linear(_rms_norm(x[:, -1], fused.norm), self.head)
+
+
+def _fused_layer(layer: torch.nn.Module) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    qkv_bias = None
+    if any(p.bias is not None for p in projections):
+        qkv_bias = torch.cat(
+            [
+                p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
+                for p in projections
+            ]
+        )
+    return _Layer(
+        attn_norm=(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+        qkv_weight=torch.cat([p.weight for p in projections]),
+        qkv_bias=qkv_bias,
+        o_weight=attn.o_proj.weight,
+        o_bias=attn.o_proj.bias,
+        mlp_norm=(
+            layer.post_attention_layernorm.weight,
+            layer.post_attention_layernorm.variance_epsilon,
+        ),
+        gate_up_weight=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        down_weight=mlp.down_proj.weight,
+    )
+
+
+def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """The Hugging Face RMSNorm: statistics in FP32, scaled in the input dtype."""
+    weight, eps = norm
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
