@@ -149,14 +149,11 @@ TRL_CHANGED = {
 }
 
 
-def trl_config(max_steps: int, output_dir: str):
+def trl_config(max_steps: int, output_dir: str, seed: int = 0):
     from trl import GRPOConfig
 
-    return GRPOConfig(
-        output_dir=output_dir,
-        max_steps=max_steps,
-        **{k: v for k, (v, _) in TRL_CHANGED.items()},
-    )
+    settings = {k: v for k, (v, _) in TRL_CHANGED.items()}
+    return GRPOConfig(output_dir=output_dir, max_steps=max_steps, **{**settings, "seed": seed})
 
 
 def _grpod_worker(conn, task: str, overrides: dict) -> None:
@@ -176,7 +173,7 @@ def _grpod_worker(conn, task: str, overrides: dict) -> None:
     conn.send(("done", peak_rss_mib()))
 
 
-def _trl_worker(conn, task: str, max_steps: int) -> None:
+def _trl_worker(conn, task: str, max_steps: int, seed: int = 0) -> None:
     set_threads()
     import logging
     import warnings
@@ -222,7 +219,7 @@ def _trl_worker(conn, task: str, max_steps: int) -> None:
         trainer = GRPOTrainer(
             model=model,
             reward_funcs=[reward],
-            args=trl_config(max_steps, out),
+            args=trl_config(max_steps, out, seed),
             train_dataset=dataset,
             processing_class=build_hf_tokenizer(),
             callbacks=[Lockstep()],
@@ -250,16 +247,20 @@ def run_interleaved(
     steps: int,
     grpod_overrides: dict | None = None,
     stop: Callable[[dict], bool] | None = None,
+    seed: int = 0,
 ) -> dict[str, dict]:
     """Run up to `steps` steps of grpod and TRL in lock step; returns per-side traces.
+
+    `seed` is each side's run seed (grpod's sampler and prompt order, TRL's `seed`); the
+    model's initial weights stay those of torch seed 0 on both sides.
 
     The order alternates every step (grpod first on even steps, TRL first on odd ones) so a
     slow spell on the shared machine hits both sides alike. `stop(trace)` ends the run early.
     """
     return run_lockstep(
         {
-            "grpod": (_grpod_worker, (task, grpod_overrides or {}), {}),
-            "trl": (_trl_worker, (task, steps), {}),
+            "grpod": (_grpod_worker, (task, {"seed": seed, **(grpod_overrides or {})}), {}),
+            "trl": (_trl_worker, (task, steps, seed), {}),
         },
         steps,
         stop,

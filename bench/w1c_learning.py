@@ -1,16 +1,21 @@
 """W1c `tiny-copy`: steps and wall seconds to a 5-step mean reward of 0.8 and 0.9, both sides.
 
-    .venv/bin/python bench/w1c_learning.py [--steps 300] [--png bench/out/w1c_curves.png]
+    .venv/bin/python bench/w1c_learning.py [--steps 300] [--seeds 0 1 2] [--png PATH]
 
 grpod and TRL run interleaved step by step in one invocation with the same hyperparameters
 (constant lr 1e-3), until both reach 0.9 (or `--steps`; `--full` runs them all). Wall seconds
 are each side's own step time summed up to the step that first reaches the threshold (the
-lock-step waits are not counted). Prints one JSON line and writes a PNG of both reward curves.
+lock-step waits are not counted). With several `--seeds` (the run seed of both sides: the
+sampler's stream and the prompt order; initial weights stay torch seed 0) the pairs run one
+after another and the JSON adds, per side, the median over seeds of the steps and wall
+seconds to each threshold (a seed that never reaches it counts as `--steps`). Prints one
+JSON line and writes a PNG of both reward curves (every seed; the first one solid).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 from common import OUT_DIR, TRL_CHANGED, emit, run_interleaved, summarise
@@ -37,7 +42,7 @@ def first_reach(trace: dict, threshold: float) -> dict[str, float | None]:
     return {"step": None, "wall_s": None}
 
 
-def plot(trace: dict, path: Path, dpi: int = 100) -> None:
+def plot(traces: list[dict], path: Path, dpi: int = 100) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,16 +50,20 @@ def plot(trace: dict, path: Path, dpi: int = 100) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=dpi)
     for name, color in (("grpod", "tab:blue"), ("trl", "tab:orange")):
-        rewards = trace[name]["reward"]
-        steps = range(1, len(rewards) + 1)
         label = "grpod" if name == "grpod" else "TRL GRPOTrainer"
-        ax.plot(steps, rewards, color=color, alpha=0.25, linewidth=0.8)
-        ax.plot(steps, running_mean(rewards), color=color, label=f"{label} (5-step mean)")
+        for k, trace in enumerate(traces):
+            means = running_mean(trace[name]["reward"])
+            steps = range(1, len(means) + 1)
+            if k == 0:
+                ax.plot(steps, means, color=color, label=f"{label} (5-step mean)")
+            else:
+                ax.plot(steps, means, color=color, alpha=0.3, linewidth=0.8)
     for threshold in THRESHOLDS:
         ax.axhline(threshold, color="grey", linestyle=":", linewidth=0.8)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward")
-    ax.set_title("W1c tiny-copy: reward per step, same model / prompts / settings")
+    seeds = f", {len(traces)} seeds" if len(traces) > 1 else ""
+    ax.set_title(f"W1c tiny-copy: 5-step mean reward, same model / prompts / settings{seeds}")
     ax.set_ylim(0, 1.02)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -63,9 +72,28 @@ def plot(trace: dict, path: Path, dpi: int = 100) -> None:
     plt.close(fig)
 
 
+def side_summary(t: dict) -> dict:
+    return {
+        **{f"reach_{x}": first_reach(t, x) for x in THRESHOLDS},
+        "total_wall_s": round(sum(t["seconds"]), 2),
+        **summarise(t),
+    }
+
+
+def reach_ratios(sides: dict) -> dict[str, float]:
+    ratios = {}
+    for x in THRESHOLDS:
+        g, t = sides["grpod"][f"reach_{x}"], sides["trl"][f"reach_{x}"]
+        if g["step"] and t["step"]:
+            ratios[f"steps_to_{x}_grpod_over_trl"] = round(g["step"] / t["step"], 2)
+            ratios[f"wall_to_{x}_trl_over_grpod"] = round(t["wall_s"] / g["wall_s"], 2)
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--png", type=Path, default=OUT_DIR / "w1c_curves.png")
     parser.add_argument(
         "--full", action="store_true", help="run every step, not only until both reach 0.9"
@@ -77,37 +105,52 @@ def main() -> None:
             first_reach(t, THRESHOLDS[-1])["step"] is not None for t in trace.values()
         )
 
-    trace = run_interleaved("copy", args.steps, stop=both_reached)
-    plot(trace, args.png)
-    sides = {}
-    for name, t in trace.items():
-        sides[name] = {
-            **{f"reach_{x}": first_reach(t, x) for x in THRESHOLDS},
-            "total_wall_s": round(sum(t["seconds"]), 2),
-            **summarise(t),
-        }
-    ratios = {}
+    traces, runs = [], []
+    for seed in args.seeds:
+        trace = run_interleaved("copy", args.steps, stop=both_reached, seed=seed)
+        traces.append(trace)
+        sides = {name: side_summary(t) for name, t in trace.items()}
+        runs.append(
+            {
+                "seed": seed,
+                "steps_run": len(trace["grpod"]["reward"]),
+                "same_initial_weights": trace["grpod"]["weights"] == trace["trl"]["weights"],
+                **sides,
+                **reach_ratios(sides),
+                "ratio_completions_per_s": round(
+                    sides["grpod"]["completions_per_s"] / sides["trl"]["completions_per_s"], 2
+                ),
+            }
+        )
+    plot(traces, args.png)
+    record = {"workload": "W1c", "steps": args.steps, **runs[0]}
+    if len(runs) > 1:
+        record["seeds"] = runs
+        record["median_over_seeds"] = median_over_seeds(runs, args.steps)
+    emit({**record, "png": str(args.png), "trl_changed": sorted(TRL_CHANGED)})
+
+
+def median_over_seeds(runs: list[dict], steps: int) -> dict:
+    """Per side and threshold: the median steps and wall seconds over seeds, and the ratios."""
+    out: dict = {}
+    for name in ("grpod", "trl"):
+        out[name] = {}
+        for x in THRESHOLDS:
+            reach = [run[name][f"reach_{x}"] for run in runs]
+            out[name][f"steps_to_{x}"] = statistics.median(r["step"] or steps for r in reach)
+            out[name][f"wall_s_to_{x}"] = round(
+                statistics.median(
+                    r["wall_s"] if r["step"] else run[name]["total_wall_s"]
+                    for r, run in zip(reach, runs)
+                ),
+                2,
+            )
+            out[name][f"reached_{x}"] = sum(r["step"] is not None for r in reach)
     for x in THRESHOLDS:
-        g, t = sides["grpod"][f"reach_{x}"], sides["trl"][f"reach_{x}"]
-        if g["step"] and t["step"]:
-            ratios[f"steps_to_{x}_grpod_over_trl"] = round(g["step"] / t["step"], 2)
-            ratios[f"wall_to_{x}_trl_over_grpod"] = round(t["wall_s"] / g["wall_s"], 2)
-    emit(
-        {
-            "workload": "W1c",
-            "steps": args.steps,
-            "steps_run": len(trace["grpod"]["reward"]),
-            "same_initial_weights": trace["grpod"]["weights"] == trace["trl"]["weights"],
-            "grpod": sides["grpod"],
-            "trl": sides["trl"],
-            **ratios,
-            "ratio_completions_per_s": round(
-                sides["grpod"]["completions_per_s"] / sides["trl"]["completions_per_s"], 2
-            ),
-            "png": str(args.png),
-            "trl_changed": sorted(TRL_CHANGED),
-        }
-    )
+        g, t = out["grpod"], out["trl"]
+        out[f"steps_to_{x}_grpod_over_trl"] = round(g[f"steps_to_{x}"] / t[f"steps_to_{x}"], 2)
+        out[f"wall_to_{x}_trl_over_grpod"] = round(t[f"wall_s_to_{x}"] / g[f"wall_s_to_{x}"], 2)
+    return out
 
 
 if __name__ == "__main__":
