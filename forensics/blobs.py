@@ -3,46 +3,95 @@
 The digest covers the canonical content (tensor names, dtypes, shapes and bytes in name
 order, then the metadata sorted by key), not the file bytes: safetensors does not keep
 metadata order stable. Files are written to a temp file, fsynced and renamed, so a blob
-path holds a complete file or nothing; every read verifies the digest.
+path holds a complete file or nothing; every read verifies the digest. `stage` + `publish`
+split that write so that one directory fsync can cover a group of blobs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import _TYPES, load, save
 
 from engine.checkpoint import fsync_dir
 from forensics.errors import ForensicsError
 
 BLOB_DIR = Path("blobs") / "sha256"
 TEMP_PREFIX = ".tmp-"
+_SAFETENSORS_DTYPES = {dtype: name for name, dtype in _TYPES.items()}
 
 
 def canonical_digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
     """sha256 hex over names, dtypes, shapes, bytes (name order) and sorted metadata."""
+    return _digest_and_chunks(tensors, metadata)[0]
+
+
+def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, list]:
+    """`(canonical digest, safetensors file as a list of byte chunks)` in one pass over the
+    tensors' bytes: the same file `safetensors.torch.save` writes up to the header's key
+    order and padding, which readers do not depend on."""
+    digest, chunks = _digest_and_chunks(tensors, metadata)
+    if sys.byteorder != "little" or any(t.dtype not in _SAFETENSORS_DTYPES for _, t, _ in chunks):
+        data = save({n: t.contiguous() for n, t, _ in chunks}, metadata=metadata)
+        return digest, [data]
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, tensor, data in chunks:
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads
+    return digest, [struct.pack("<Q", len(text)), text, *(data for _, _, data in chunks)]
+
+
+def _digest_and_chunks(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> tuple[str, list[tuple[str, torch.Tensor, memoryview | bytes]]]:
+    """The canonical digest, and (name, CPU contiguous tensor, its bytes) in name order."""
     h = hashlib.sha256(b"grpod.blob/1\0")
+    chunks = []
     for name in sorted(tensors):
         tensor = tensors[name].detach().contiguous().cpu()
         _field(h, name.encode())
         _field(h, str(tensor.dtype).encode())
         _field(h, ",".join(map(str, tensor.shape)).encode())
-        data = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
-        _field(h, memoryview(data).cast("B") if len(data) else b"")
+        data = (
+            memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            if tensor.numel()
+            else b""
+        )
+        _field(h, data)
+        chunks.append((name, tensor, data))
     h.update(b"metadata\0")
     for key in sorted(metadata):
         _field(h, key.encode())
         _field(h, metadata[key].encode())
-    return h.hexdigest()
+    return h.hexdigest(), chunks
 
 
 def _field(h: hashlib._Hash, data: bytes | memoryview) -> None:
     h.update(struct.pack("<Q", len(data)))  # length-prefixed: no two contents hash alike
     h.update(data)
+
+
+@dataclass(frozen=True)
+class StagedBlob:
+    """A blob written to its temp file: complete, but neither durable nor in place yet."""
+
+    digest: str
+    size: int  # file bytes
+    temp: Path
 
 
 class BlobStore:
@@ -51,6 +100,7 @@ class BlobStore:
     def __init__(self, run_dir: str | os.PathLike) -> None:
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / BLOB_DIR
+        self._root_made = False
 
     def relpath(self, digest: str) -> str:
         return str(BLOB_DIR / digest)
@@ -60,18 +110,35 @@ class BlobStore:
 
     def write(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, int]:
         """Write a blob durably; returns `(digest, file bytes)`. Idempotent per digest."""
-        digest = canonical_digest(tensors, metadata)
-        data = save({n: t.contiguous() for n, t in tensors.items()}, metadata=metadata)
-        self.root.mkdir(parents=True, exist_ok=True)
-        final = self.path(digest)
-        tmp = self.root / f"{TEMP_PREFIX}{digest}-{os.getpid()}"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-        fsync_dir(self.root)
-        return digest, len(data)
+        staged = self.stage(tensors, metadata)
+        self.publish([staged])
+        return staged.digest, staged.size
+
+    def stage(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> StagedBlob:
+        """Serialise a blob into its temp file (no fsync); `publish` puts it in place."""
+        digest, chunks = encode(tensors, metadata)
+        if not self._root_made:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._root_made = True
+        temp = self.root / f"{TEMP_PREFIX}{digest}-{os.getpid()}"
+        with open(temp, "wb") as fh:
+            fh.writelines(chunks)
+        return StagedBlob(digest, sum(len(c) for c in chunks), temp)
+
+    def publish(self, staged: list[StagedBlob]) -> None:
+        """Make staged blobs durable and visible: fsync every temp file, rename each into
+        place, then fsync the directory once. A digest staged twice is published once."""
+        unique = list({blob.digest: blob for blob in staged}.values())
+        for blob in unique:
+            fd = os.open(blob.temp, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # the file's bytes are on disk before its name is
+            finally:
+                os.close(fd)
+        for blob in unique:
+            os.replace(blob.temp, self.path(blob.digest))
+        if unique:
+            fsync_dir(self.root)
 
     def read(self, digest: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """`(tensors, metadata)` of a blob whose canonical digest is verified."""

@@ -25,6 +25,15 @@ class ForensicsConfig(BaseModel):
         "WARN", description="a verdict at or above this action opens an incident"
     )
     queue_size: int = Field(8, ge=1, description="steps the recorder may hold before record blocks")
+    commit_every_steps: int = Field(
+        16,
+        ge=1,
+        description="steps the writer commits together (their blob fsyncs and one transaction); "
+        "an incident or a checkpoint commits at once; 1 = every step",
+    )
+    commit_interval_seconds: float = Field(
+        1.0, gt=0, description="the longest a recorded step waits for its group's commit"
+    )
     retention_bytes: int = Field(
         2 * 1024**3, ge=0, description="`grpod gc` size budget for blobs and checkpoints"
     )

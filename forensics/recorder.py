@@ -1,9 +1,14 @@
 """`FlightRecorder`: every step's TransportBatch and StepReport, recorded off the critical path.
 
 `record()` hands the step to a writer thread through a bounded queue; a full queue blocks the
-trainer (and is counted in `blocked_total`), it never drops a step. The writer writes the
-batch blob (temp, fsync, rename), then commits the blob row, the step row and, when the
-verdict is at or above `incident_action`, an incident pinning the checkpoint before it.
+trainer (and is counted in `blocked_total`), it never drops a step. The writer stages each
+batch blob (serialised into a temp file) and commits in groups (`commit_every_steps` steps,
+or `commit_interval_seconds` after the first of them): every staged file is fsynced and
+renamed into place, the directory fsynced once, then one transaction adds the blob rows and
+the step rows. A step whose verdict is at or above `incident_action` commits its group at
+once, with its incident pinning the checkpoint before it; so do a noted checkpoint (the
+steps before it first), `drain()` and `close()`. A crash loses at most the uncommitted
+steps, all after the last noted checkpoint, which a resumed run re-runs and records.
 """
 
 from __future__ import annotations
@@ -20,10 +25,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import insert
+from sqlalchemy import insert, select
 
 from engine import StepReport, TransportBatch
-from forensics.blobs import BlobStore
+from forensics.blobs import BlobStore, StagedBlob
 from forensics.config import ACTIONS, ForensicsConfig, action_rank
 from forensics.errors import ForensicsError
 from forensics.models import Blob, Checkpoint, Incident, Run, Step
@@ -34,6 +39,7 @@ WRITER_NICE = 10  # the writer thread's niceness (a lower priority than the trai
 
 
 _STEP_INSERT = insert(Step)
+_BLOB_INSERT = insert(Blob)
 
 
 @dataclass
@@ -51,7 +57,17 @@ class _CheckpointItem:
     path: str
 
 
+@dataclass
+class _Staged:
+    """A step whose blob is staged and whose row waits for its group's commit."""
+
+    blob: StagedBlob
+    row: dict[str, Any]  # the steps row
+    verdict: dict[str, Any] | None  # set when the step opens an incident
+
+
 _STOP = object()
+_COMMIT = object()  # drain(): commit what is staged now
 
 
 class FlightRecorder:
@@ -80,7 +96,11 @@ class FlightRecorder:
         self.recorded_total = 0  # steps committed by the writer
         self.incidents_total = 0  # incidents opened by the writer
         self.write_seconds_total = 0.0  # the writer's busy time (blob files and rows)
+        self.write_cpu_seconds_total = 0.0  # the writer thread's CPU time in that work
+        self.commits_total = 0  # transactions that committed steps
         self._error: BaseException | None = None
+        self._group: list[_Staged] = []  # staged steps, oldest first (writer thread only)
+        self._group_deadline = 0.0  # time.monotonic() by which the group commits
         self._queue: queue.Queue = queue.Queue(maxsize=self.config.queue_size)
         self._thread = threading.Thread(target=self._write_loop, name="grpod-recorder", daemon=True)
         self._thread.start()
@@ -89,6 +109,11 @@ class FlightRecorder:
     def queue_depth(self) -> int:
         """Steps waiting for the writer."""
         return self._queue.qsize()
+
+    @property
+    def staged_steps(self) -> int:
+        """Steps the writer has staged (blob in a temp file) and not yet committed."""
+        return len(self._group)
 
     # ----------------------------------------------------------------- trainer side
     def start_run(
@@ -140,12 +165,14 @@ class FlightRecorder:
         self._put(_CheckpointItem(step, self.store.relative(path)))
 
     def drain(self) -> None:
-        """Wait until everything queued so far is committed."""
+        """Wait until everything queued so far is committed (blobs fsynced, rows committed)."""
+        if self._thread.is_alive():
+            self._queue.put(_COMMIT)  # not counted as blocked: the caller asked to wait
         self._queue.join()
         self._raise_failure()
 
     def close(self) -> None:
-        """Drain the queue, stop the writer, mark the run ended."""
+        """Commit everything queued, stop the writer, mark the run ended."""
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join()
@@ -174,21 +201,41 @@ class FlightRecorder:
         with contextlib.suppress(AttributeError, OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         while True:
-            item = self._queue.get()
+            timeout = None
+            if self._group and self._error is None:
+                timeout = max(0.0, self._group_deadline - time.monotonic())
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:  # the oldest staged step has waited commit_interval_seconds
+                self._work(self._commit)
+                continue
             try:
                 if item is _STOP:
+                    self._work(self._commit)
                     return
-                if self._error is None:  # after a failure, drain so the trainer never hangs
-                    started = time.perf_counter()
-                    self._write(item)
-                    self.write_seconds_total += time.perf_counter() - started
-            except BaseException as exc:
-                self._error = exc
+                self._work(self._write, item)
             finally:
                 self._queue.task_done()
 
-    def _write(self, item: _StepItem | _CheckpointItem) -> None:
-        if isinstance(item, _CheckpointItem):
+    def _work(self, job: Any, *args: Any) -> None:
+        """Run one writer job, timed; the first failure stops all writing (the queue still
+        drains, so the trainer never hangs) and surfaces on the trainer's next call."""
+        if self._error is not None:
+            return
+        started, cpu = time.perf_counter(), time.thread_time()
+        try:
+            job(*args)
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self.write_seconds_total += time.perf_counter() - started
+            self.write_cpu_seconds_total += time.thread_time() - cpu
+
+    def _write(self, item: Any) -> None:
+        if item is _COMMIT:
+            self._commit()
+        elif isinstance(item, _CheckpointItem):
+            self._commit()  # the steps before a checkpoint are durable before its row
             with self.store.session() as session:
                 session.add(
                     Checkpoint(
@@ -200,42 +247,77 @@ class FlightRecorder:
                         created_at=_now(),
                     )
                 )
-            return
+        else:
+            self._stage(item)
+
+    def _stage(self, item: _StepItem) -> None:
         batch = item.batch
-        digest, size = self.blobs.write(batch.tensors(), batch.metadata())  # file complete first
+        blob = self.blobs.stage(batch.tensors(), batch.metadata())
         report = item.report
+        scalars = {name: _column_value(report[name]) for name in StepReport.SCALARS}
+        row = dict(
+            run_id=self.run_id,
+            step=report["step"],
+            outcome=item.outcome,
+            rerun=item.rerun,
+            verdict_action=item.verdict["action"],
+            verdict_json=json.dumps(item.verdict, sort_keys=True),
+            batch_digest=blob.digest,
+            report_json=json.dumps(report),
+            recorded_at=_now(),
+            **scalars,
+        )
+        opened = action_rank(item.verdict["action"]) >= self.incident_rank
+        if not self._group:
+            self._group_deadline = time.monotonic() + self.config.commit_interval_seconds
+        self._group.append(_Staged(blob, row, item.verdict if opened else None))
+        if opened or len(self._group) >= self.config.commit_every_steps:
+            self._commit()  # an incident is durable as soon as the writer reaches it
+
+    def _commit(self) -> None:
+        """Publish the group's blobs (fsync, rename, one directory fsync), then commit its
+        blob rows, step rows and incidents in one transaction."""
+        group = self._group
+        if not group:
+            return
+        self.blobs.publish([staged.blob for staged in group])  # files complete first
+        blobs = {staged.blob.digest: staged.blob for staged in group}
+        opened = 0
         with self.store.session() as session:
-            if session.get(Blob, digest) is None:
-                session.add(
-                    Blob(
-                        sha256=digest,
-                        size=size,
-                        kind="batch",
-                        path=self.blobs.relpath(digest),
-                        created_at=_now(),
-                    )
+            conn = session.connection()
+            known = set(conn.scalars(select(Blob.sha256).where(Blob.sha256.in_(list(blobs)))))
+            now = _now()
+            missing = [
+                dict(
+                    sha256=digest,
+                    size=blob.size,
+                    kind="batch",
+                    path=self.blobs.relpath(digest),
+                    created_at=now,
                 )
-                session.flush()
-            scalars = {name: _column_value(report[name]) for name in StepReport.SCALARS}
-            row = dict(
-                run_id=self.run_id,
-                step=report["step"],
-                outcome=item.outcome,
-                rerun=item.rerun,
-                verdict_action=item.verdict["action"],
-                verdict_json=json.dumps(item.verdict, sort_keys=True),
-                batch_digest=digest,
-                report_json=json.dumps(report),
-                recorded_at=_now(),
-                **scalars,
-            )
-            # bound parameters: the compiled INSERT is cached, not rebuilt from 40 literals
-            step_id = session.connection().execute(_STEP_INSERT, row).inserted_primary_key[0]
-            opened = action_rank(item.verdict["action"]) >= self.incident_rank
-            if opened:
-                self._open_incident(session, report["step"], step_id, item.verdict)
-        self.recorded_total += 1
-        self.incidents_total += int(opened)
+                for digest, blob in blobs.items()
+                if digest not in known
+            ]
+            if missing:
+                conn.execute(_BLOB_INSERT, missing)
+            plain: list[dict[str, Any]] = []  # rows that need no id: one executemany
+            for staged in group:
+                if staged.verdict is None:
+                    plain.append(staged.row)
+                    continue
+                if plain:
+                    conn.execute(_STEP_INSERT, plain)
+                    plain = []
+                # bound parameters: the compiled INSERT is cached, not rebuilt from 40 literals
+                step_id = conn.execute(_STEP_INSERT, staged.row).inserted_primary_key[0]
+                self._open_incident(session, staged.row["step"], step_id, staged.verdict)
+                opened += 1
+            if plain:
+                conn.execute(_STEP_INSERT, plain)
+        self._group = []
+        self.commits_total += 1
+        self.recorded_total += len(group)
+        self.incidents_total += opened
 
     def _open_incident(self, session, step: int, step_id: int, verdict: dict[str, Any]) -> None:
         checkpoint = self.store.checkpoint_at_or_before(session, step)

@@ -1,0 +1,165 @@
+"""Group commit: steps commit in groups; incidents, checkpoints, drain and close commit at once;
+a SIGKILL loses only staged steps that were never acknowledged, and the store stays clean."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load, save
+from sqlalchemy import func, select
+
+from forensics import BlobStore, FlightRecorder, ForensicsConfig, Store, canonical_digest, fsck, gc
+from forensics.blobs import TEMP_PREFIX, encode
+from forensics.models import Checkpoint, Incident, Step
+from tests.forensics.test_store import PASS, WARN, tiny_batch, tiny_report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + 30  # a liveness bound, not a timing assertion
+    while not condition():
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.002)
+
+
+def stored(run_dir: Path) -> tuple[list[int], list[int], list[int]]:
+    """(recorded steps, incident steps, checkpoint steps) as committed in the store."""
+    store = Store(run_dir, create=False)
+    with store.session() as session:
+        steps = list(session.scalars(select(Step.step).order_by(Step.id)))
+        incidents = list(session.scalars(select(Incident.step).order_by(Incident.id)))
+        checkpoints = list(session.scalars(select(Checkpoint.step).order_by(Checkpoint.id)))
+    store.close()
+    return steps, incidents, checkpoints
+
+
+def test_steps_commit_in_groups_incidents_and_checkpoints_at_once(tmp_path: Path) -> None:
+    config = ForensicsConfig(commit_every_steps=4, commit_interval_seconds=3600, queue_size=16)
+    recorder = FlightRecorder(tmp_path, config)
+    recorder.start_run("r", {"engine": {}}, {}, "cpu")
+
+    def record(step: int, verdict: dict = PASS) -> None:
+        recorder.record(tiny_batch(step), tiny_report(step), verdict, "applied")
+
+    for step in range(3):
+        record(step)
+    wait_for(lambda: recorder.staged_steps == 3, "three staged steps")
+    assert stored(tmp_path) == ([], [], []) and recorder.recorded_total == 0
+    record(3)  # the group is full
+    wait_for(lambda: recorder.recorded_total == 4, "the first group committed")
+    assert stored(tmp_path)[0] == [0, 1, 2, 3] and recorder.commits_total == 1
+
+    record(4)
+    record(5, WARN)  # an incident commits its group at once, itself included
+    wait_for(lambda: recorder.recorded_total == 6, "the incident's group committed")
+    assert stored(tmp_path)[:2] == ([0, 1, 2, 3, 4, 5], [5])
+
+    record(6)
+    recorder.note_checkpoint(7, tmp_path / "checkpoints" / "step-00000007")
+    wait_for(lambda: stored(tmp_path)[2] == [7], "the checkpoint row")
+    assert stored(tmp_path)[0][-1] == 6  # the steps before a checkpoint commit before it
+
+    record(7)
+    recorder.drain()  # acknowledged: committed when drain returns
+    assert stored(tmp_path)[0] == list(range(8)) and recorder.staged_steps == 0
+    record(8)
+    recorder.close()
+    assert stored(tmp_path)[0] == list(range(9))
+    assert (recorder.recorded_total, recorder.incidents_total, recorder.commits_total) == (9, 1, 5)
+    blob_dir = tmp_path / "blobs" / "sha256"
+    assert not any(p.name.startswith(TEMP_PREFIX) for p in blob_dir.iterdir())
+    assert fsck(tmp_path).ok and not fsck(tmp_path).notes
+
+
+def test_a_quiet_group_commits_after_the_interval(tmp_path: Path) -> None:
+    config = ForensicsConfig(commit_every_steps=1000, commit_interval_seconds=0.05)
+    recorder = FlightRecorder(tmp_path, config)
+    recorder.start_run("r", {"engine": {}}, {}, "cpu")
+    recorder.record(tiny_batch(0), tiny_report(0), PASS, "applied")
+    wait_for(lambda: recorder.recorded_total == 1, "the interval's commit")
+    assert stored(tmp_path)[0] == [0]
+    recorder.close()
+
+
+def test_commit_every_step_is_one_commit_per_step(tmp_path: Path) -> None:
+    recorder = FlightRecorder(tmp_path, ForensicsConfig(commit_every_steps=1))
+    recorder.start_run("r", {"engine": {}}, {}, "cpu")
+    for step in range(3):
+        recorder.record(tiny_batch(step), tiny_report(step), PASS, "applied")
+    recorder.close()
+    assert recorder.commits_total == 3 and stored(tmp_path)[0] == [0, 1, 2]
+
+
+def test_sigkill_loses_only_unacknowledged_staged_steps(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.forensics.group_writer", str(run_dir)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = child.stdout.readline()
+        assert line.split() == ["8", "2"], line  # 8 committed, 2 staged
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+
+    steps, incidents, _ = stored(run_dir)
+    assert steps == list(range(8))  # drained 0-4, then the incident's group 5-7; 8-9 lost
+    assert incidents == [7]
+    store, blobs = Store(run_dir, create=False), BlobStore(run_dir)
+    with store.session() as session:
+        digests = list(session.scalars(select(Step.batch_digest)))
+        assert session.scalar(select(func.count()).select_from(Step)) == 8
+    store.close()
+    for digest in digests:
+        blobs.verify(digest)
+    staged = [p for p in blobs.root.iterdir() if p.name.startswith(TEMP_PREFIX)]
+    assert len(staged) == 2  # the lost steps' temp files: never renamed, never referenced
+    report = fsck(run_dir)
+    assert report.ok and report.notes  # leftovers are notes, not problems
+    gc(run_dir, budget_bytes=1 << 40, grace_seconds=0)
+    assert not any(p.name.startswith(TEMP_PREFIX) for p in blobs.root.iterdir())
+    assert fsck(run_dir).ok and not fsck(run_dir).notes
+
+
+def test_encode_writes_what_safetensors_reads() -> None:
+    tensors = {
+        "bf16": torch.randn(3, 5).bfloat16(),
+        "empty": torch.zeros(0, 4),
+        "mask": torch.tensor([True, False, True]),
+        "strided": torch.arange(12).reshape(3, 4).t(),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "ids": torch.arange(7, dtype=torch.int32),
+    }
+    meta = {"step": "3", "format": "x"}
+    digest, chunks = encode(tensors, meta)
+    data = b"".join(chunks)
+    loaded = load(data)
+    assert set(loaded) == set(tensors)
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor)
+    assert digest == canonical_digest(tensors, meta)
+    assert load(save({n: t.contiguous() for n, t in tensors.items()}, metadata=meta)).keys() == (
+        loaded.keys()
+    )
+    header_length = int.from_bytes(data[:8], "little")
+    assert (8 + header_length) % 8 == 0  # the tensor bytes start 8-byte aligned
+
+
+def test_a_digest_staged_twice_is_published_once(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path)
+    tensors = {"a": torch.arange(4)}
+    first, second = blobs.stage(tensors, {}), blobs.stage(tensors, {})
+    blobs.publish([first, second])
+    assert [p.name for p in blobs.root.iterdir()] == [first.digest]
+    blobs.verify(first.digest)
