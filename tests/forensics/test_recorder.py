@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from sqlalchemy import delete, func, select
 
+from engine import Engine, EngineConfig
 from forensics import FlightRecorder, ForensicsConfig, ForensicsError, Store
 from forensics.models import Run, Step
+from forensics.recorder import report_dict
 from tests.forensics.test_store import PASS, tiny_batch, tiny_report
 
 
@@ -72,3 +77,13 @@ def test_a_verdict_object_is_recorded_through_to_dict(tmp_path: Path) -> None:
         (incident,) = store.incidents(session)
         assert incident.action == "HALT" and incident.checkpoint_id is None
     store.close()
+
+
+def test_report_dict_is_to_dict() -> None:
+    """The recorder's snapshot of a report is exactly `StepReport.to_dict()`, NaNs included."""
+    engine = Engine(EngineConfig(threads=1, sequence_chunks=2, prompts_per_step=2, group_size=2))
+    report = engine.accumulate(engine.rollout())
+    engine.flush()
+    assert report.chunk_trace and report_dict(report) == report.to_dict()
+    report = replace(report, loss=math.nan, micro_losses=[math.inf, -math.inf], kl=None)
+    assert json.dumps(report_dict(report)) == json.dumps(report.to_dict())
