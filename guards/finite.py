@@ -21,6 +21,32 @@ class FiniteGuard(Guard):
     name = "finite"
 
     def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
+        if self._clean(batch, report):
+            return []
+        return self._findings(batch, report)
+
+    def _clean(self, batch: TransportBatch, report: StepReport) -> bool:
+        """A cheap exact test that `_findings` would find nothing: one min/max pass per tensor
+        (NaN propagates through aminmax). False only means "look closer"."""
+        if not (
+            math.isfinite(report.loss)
+            and math.isfinite(report.grad_norm)
+            and all(math.isfinite(x) for x in report.micro_losses)
+        ):
+            return False
+        tensors = [batch.rewards, batch.advantages, batch.old_logprobs]  # whole: no mask needed
+        for tensor in tensors:
+            if tensor is not None and tensor.numel() and not _finite_range(tensor):
+                return False
+        sampler = batch.sampler_logprobs
+        if sampler is None or not sampler.numel():
+            return True
+        # trainable tokens only (the others read 0): finite, and none at or below the limit
+        lowest, highest = torch.aminmax(torch.where(batch.loss_mask, sampler, 0.0))
+        lowest, highest = float(lowest), float(highest)
+        return math.isfinite(highest) and lowest > self.config.sentinel_logprob_max
+
+    def _findings(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
         findings: list[Finding] = []
         if not math.isfinite(report.loss):
             findings.append(self.finding(f"loss is {report.loss}", loss=report.loss))
@@ -79,9 +105,11 @@ class FiniteGuard(Guard):
         if not tensors:
             return []
         # one fused norm per tensor and one sync; a non-finite value makes its norm non-finite
-        norms = torch._foreach_norm([w.detach() for w in tensors])
-        finite = torch.isfinite(torch.stack(norms))
-        bad = int((~finite).sum())
+        with torch.no_grad():
+            norms = torch.stack(torch._foreach_norm(tensors))
+            if math.isfinite(float(norms.sum())):  # norms are >= 0: no cancellation
+                return []
+            bad = int((~torch.isfinite(norms)).sum())
         if not bad:
             return []
         return [
@@ -91,3 +119,9 @@ class FiniteGuard(Guard):
                 nonfinite_tensors=float(bad),
             )
         ]
+
+
+def _finite_range(tensor: torch.Tensor) -> bool:
+    """Every value finite: NaN or an infinity shows in the min or the max."""
+    lowest, highest = torch.aminmax(tensor)
+    return math.isfinite(float(lowest)) and math.isfinite(float(highest))

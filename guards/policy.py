@@ -50,6 +50,8 @@ class GuardPolicy:
             cls.name: cls(getattr(self.config, cls.name)) for cls in GUARD_CLASSES
         }
         self.consecutive_flushes = 0
+        self._model: Any = None  # the model whose parameter list `_weights` holds
+        self._weights: list[torch.Tensor] = []
 
     # ----------------------------------------------------------------- the hooks
     def before(
@@ -135,6 +137,12 @@ class GuardPolicy:
                 )
         return found
 
+    def weights_of(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        """`model`'s parameters, listed once per model (not walked again every step)."""
+        if model is not self._model:
+            self._model, self._weights = model, list(model.parameters())
+        return self._weights
+
     # ----------------------------------------------------------------- state
     @property
     def gradnorm_vtc_correlation(self) -> float | None:
@@ -212,7 +220,7 @@ def guarded_step(engine, policy: GuardPolicy, batch: TransportBatch) -> tuple[St
         engine.apply()
         verdict.outcome = "applied"
         started = time.perf_counter()
-        found = policy.check_weights(list(engine.model.parameters()))
+        found = policy.check_weights(policy.weights_of(engine.model))
         if found:
             verdict.findings += found
             verdict.action = max(verdict.action, *(f.action for f in found))

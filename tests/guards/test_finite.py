@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 
 import torch
 
@@ -59,3 +60,32 @@ def test_weights_check_halts_on_non_finite_weights() -> None:
     assert GUARD.check_weights(good) == []
     (finding,) = GUARD.check_weights([*good, torch.tensor([1.0, math.nan])])
     assert finding.action is Action.HALT and finding.evidence["nonfinite_tensors"] == 1
+
+
+def test_the_fast_check_agrees_with_the_full_one_on_every_fault() -> None:
+    """`after` skips the per-token look only when `_clean` proves it would find nothing."""
+    cases = []
+    for where in ((0, 0, 0), (0, 0, 1)):  # a prompt token, a trainable token
+        for name in ("advantages", "sampler_logprobs", "old_logprobs"):
+            for value in (math.nan, math.inf, -math.inf, -9999.0, -1000.0, -999.0):
+                b = batch([[0, 1, 1, 0]])
+                if name == "old_logprobs":
+                    b = replace(b, old_logprobs=torch.full_like(b.advantages, -0.5))
+                getattr(b, name)[where] = value
+                cases.append(b)
+    for rewards in ([math.nan, 0.0], [math.inf, 1.0], [1.0, -math.inf]):
+        cases.append(batch(rewards=rewards))
+    cases.append(batch(sampler=None))
+    lenient = FiniteGuard(FiniteConfig(sentinel_logprob_max=0.5))  # the fill value 0 is below
+    for guard in (GUARD, lenient):
+        for b in cases:
+            full = [f.message for f in guard._findings(b, report())]
+            assert [f.message for f in guard.after(b, report())] == full
+            if guard._clean(b, report()):
+                assert full == []
+    assert GUARD._clean(batch(), report())  # the healthy step takes the fast path
+
+
+def test_weights_whose_norms_overflow_in_sum_are_still_finite() -> None:
+    big = [torch.tensor([3e38]), torch.tensor([3e38])]  # each norm finite, their sum is not
+    assert GUARD.check_weights(big) == []
