@@ -7,6 +7,7 @@ through `structlog.contextvars` so every event of a step carries them.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import sys
 from collections.abc import Callable
@@ -45,8 +46,7 @@ def make_logger(
     else:
         processors += [
             structlog.processors.format_exc_info,
-            _finite_json,
-            structlog.processors.JSONRenderer(sort_keys=False),
+            structlog.processors.JSONRenderer(serializer=_finite_dumps, sort_keys=False),
         ]
     return structlog.wrap_logger(
         _Printer(out, before_write),
@@ -98,9 +98,13 @@ class _Drop:
         return event
 
 
-def _finite_json(logger: WrappedLogger, name: str, event: EventDict) -> EventDict:
-    """JSON has no NaN or Infinity: write them as the strings 'nan', 'inf', '-inf'."""
-    return {key: _safe(value) for key, value in event.items()}
+def _finite_dumps(event: EventDict, **kw: Any) -> str:
+    """JSON has no NaN or Infinity: write them as the strings 'nan', 'inf', '-inf'. One C pass
+    when every float is finite (a step's usual event); the rewrite only when one is not."""
+    try:
+        return json.dumps(event, allow_nan=False, **kw)
+    except ValueError:
+        return json.dumps({key: _safe(value) for key, value in event.items()}, **kw)
 
 
 def _safe(value: Any) -> Any:

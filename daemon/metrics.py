@@ -102,6 +102,7 @@ class Metrics:
             ).set(1)
         self.halted.set(0)
         self._seen = {"incidents": 0, "blocked": 0}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def observe_step(
         self,
@@ -115,15 +116,15 @@ class Metrics:
         """Publish one finished step: `report` a StepReport, `verdict` a guards Verdict."""
         for field, g in self.report_gauges.items():
             g.set(_number(getattr(report, field)))
-        self.clip_fraction.labels("low").set(_number(report.clip_fraction_low))
-        self.clip_fraction.labels("high").set(_number(report.clip_fraction_high))
+        self._child(self.clip_fraction, "low").set(_number(report.clip_fraction_low))
+        self._child(self.clip_fraction, "high").set(_number(report.clip_fraction_high))
         self.correlation.set(_number(gradnorm_vtc_correlation))
-        self.steps_total.labels(outcome).inc()
+        self._child(self.steps_total, outcome).inc()
         for finding in verdict.findings:
             self.findings_total.labels(finding.guard, _action_name(finding.action)).inc()
         self.verdict_action.set(int(verdict.action))
         for phase, seconds in phase_seconds.items():
-            self.phase_seconds.labels(phase).observe(seconds)
+            self._child(self.phase_seconds, phase).observe(seconds)
         if not report.skipped_compute:
             self.completions_total.inc(report.num_samples)
             self.completion_tokens_total.inc(
@@ -131,6 +132,14 @@ class Metrics:
             )
         self.step.set(report.step)
         self.last_step_timestamp.set(time.time() if now is None else now)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, looked up once (labels() validates and locks per call)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def observe_recorder(self, queue_depth: int, blocked_total: int, incidents_total: int) -> None:
         """Mirror the flight recorder's gauges and running totals (totals only go up)."""
