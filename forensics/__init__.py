@@ -1,16 +1,11 @@
 """Forensics: the store, content-addressed blobs, the flight recorder, incidents and replay.
 
 Depends on engine types only; nothing here imports daemon or guards.
+
+Public names are imported on first use (engine/lazy.py), so a light submodule loads alone.
 """
 
-from forensics.blobs import BlobStore, canonical_digest
-from forensics.config import ForensicsConfig
-from forensics.errors import ForensicsError
-from forensics.incidents import export_incident, list_incidents, show_incident
-from forensics.recorder import FlightRecorder
-from forensics.replay import ReplayResult, replay
-from forensics.retention import FsckReport, GcReport, fsck, gc
-from forensics.store import Store
+from engine.lazy import lazy_exports
 
 __all__ = [
     "BlobStore",
@@ -29,3 +24,23 @@ __all__ = [
     "replay",
     "show_incident",
 ]
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "BlobStore": "forensics.blobs",
+        "FlightRecorder": "forensics.recorder",
+        "ForensicsConfig": "forensics.config",
+        "ForensicsError": "forensics.errors",
+        "FsckReport": "forensics.retention",
+        "GcReport": "forensics.retention",
+        "ReplayResult": "forensics.replay",
+        "Store": "forensics.store",
+        "canonical_digest": "forensics.blobs",
+        "export_incident": "forensics.incidents",
+        "fsck": "forensics.retention",
+        "gc": "forensics.retention",
+        "list_incidents": "forensics.incidents",
+        "replay": "forensics.replay",
+        "show_incident": "forensics.incidents",
+    },
+)

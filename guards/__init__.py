@@ -3,13 +3,11 @@
 Guards read only `TransportBatch` and `StepReport` (engine types); `GuardPolicy` combines their
 findings into one `Verdict`; `guarded_step` applies or flushes; `run_drill` injects a known
 fault into the real engine and checks that it is intercepted.
+
+Public names are imported on first use (engine/lazy.py), so a light submodule loads alone.
 """
 
-from guards.config import GuardsConfig
-from guards.drills import DRILLS, run_drill
-from guards.errors import GuardsError
-from guards.policy import GuardPolicy, guarded_step
-from guards.verdict import Action, Finding, Verdict
+from engine.lazy import lazy_exports
 
 __all__ = [
     "DRILLS",
@@ -22,3 +20,17 @@ __all__ = [
     "guarded_step",
     "run_drill",
 ]
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "Action": "guards.verdict",
+        "DRILLS": "guards.drills",
+        "Finding": "guards.verdict",
+        "GuardPolicy": "guards.policy",
+        "GuardsConfig": "guards.config",
+        "GuardsError": "guards.errors",
+        "Verdict": "guards.verdict",
+        "guarded_step": "guards.policy",
+        "run_drill": "guards.drills",
+    },
+)

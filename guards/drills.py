@@ -24,7 +24,6 @@ from typing import Any
 
 from guards.config import GuardsConfig, as_config
 from guards.errors import GuardsError
-from guards.policy import GuardPolicy, guarded_step
 from guards.verdict import Action, Verdict
 
 W1_SMALL = dict(task="arith", prompts_per_step=4, group_size=4)
@@ -133,6 +132,7 @@ class _Tally:
 
     def phase(self, label: str, engine_config, steps: int, injected: set[int]) -> None:
         from engine import Engine
+        from guards.policy import GuardPolicy, guarded_step  # torch: not for listing DRILLS
 
         with warnings.catch_warnings():  # the engine warns loudly that faults are on: we know
             warnings.filterwarnings("ignore", message=".*FAULT INJECTION IS ON")
