@@ -98,14 +98,11 @@ class Engine:
             step_seed(cfg.seed, generation),
         )
         lengths = out.mask.sum(-1).tolist()
+        completions = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
         rewards = torch.tensor(
             [
-                self.task.score(
-                    prompts[i // cfg.group_size],
-                    self.tokenizer.decode(out.completion_ids[i, :n].tolist()),
-                    i,
-                )
-                for i, n in enumerate(lengths)
+                self.task.score(prompts[i // cfg.group_size], self.tokenizer.decode(ids), i)
+                for i, ids in enumerate(completions)
             ],
             dtype=torch.float32,
         )
@@ -118,15 +115,16 @@ class Engine:
         if step in cfg.fault_loss_spike_steps:
             advantages = advantages * LOSS_SPIKE_SCALE
             injected.append("loss-spike")
+        sampler_logprobs = out.logprobs.tolist()
         samples = [
             Sample(
-                tokens=prompt_ids[i // cfg.group_size] + out.completion_ids[i, :n].tolist(),
+                tokens=prompt_ids[i // cfg.group_size] + ids,
                 prompt_len=len(prompt_ids[i // cfg.group_size]),
-                advantage=float(advantages[i]),
-                sampler_logprobs=out.logprobs[i, :n].tolist(),
+                advantage=advantage,
+                sampler_logprobs=sampler_logprobs[i][: len(ids)],
                 group=i // cfg.group_size,
             )
-            for i, n in enumerate(lengths)
+            for i, (ids, advantage) in enumerate(zip(completions, advantages.tolist()))
         ]
         if step in cfg.fault_sentinel_logprob_steps:
             first = next(i for i, n in enumerate(lengths) if n > 0)
