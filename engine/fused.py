@@ -7,9 +7,9 @@ forward from its own parameters with
 
 - the q/k/v and gate/up projections fused into one matmul each,
 - a KV cache preallocated once per generation and written in place,
-- attention as two batched matmuls while the key axis is short (`MATH_ATTENTION_MAX_KEYS`,
-  SDPA beyond it), grouped-query attention without copying K/V: the query heads that share
-  a K/V head are laid along the query axis of one attention call,
+- attention as two batched matmuls, grouped-query attention without copying K/V: the
+  query heads that share a K/V head are laid along the query axis of one attention call
+  (a prefill longer than `MATH_ATTENTION_MAX_KEYS` uses SDPA: its score matrix is big),
 - rotary cos/sin looked up from one table instead of recomputed per forward.
 
 It is the model's forward up to FP32 rounding (tests/engine/test_fused.py holds it to the
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 ARCHITECTURES = frozenset({"qwen2", "llama"})
-MATH_ATTENTION_MAX_KEYS = 256  # above this a materialised score matrix costs more than SDPA
+MATH_ATTENTION_MAX_KEYS = 256  # prefill: above this the s x s scores cost more than SDPA
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
@@ -105,7 +105,7 @@ class _Fused:
         """`q: [n, s, heads, hd]`, `k, v: [n, kv, L, hd]`, `mask: [n, 1, s, L]` bool (True =
         attend); returns `[n, s, heads * hd]`. Every query row must see at least one key."""
         n, s = q.shape[:2]
-        if k.shape[2] > MATH_ATTENTION_MAX_KEYS:
+        if s > 1 and k.shape[2] > MATH_ATTENTION_MAX_KEYS:  # a decode step is one query
             q = q.transpose(1, 2)
             k, v = k.repeat_interleave(self.rep, 1), v.repeat_interleave(self.rep, 1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)

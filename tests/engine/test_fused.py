@@ -33,7 +33,7 @@ def _tiny_llama() -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("model_name", ["qwen2", "llama"])
-@pytest.mark.parametrize("math_max_keys", [256, 0])  # batched matmuls, or SDPA
+@pytest.mark.parametrize("math_max_keys", [256, 0])  # prefill by batched matmuls, or SDPA
 def test_decoder_logits_match_hugging_face_step_by_step(
     model_name: str, math_max_keys: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
