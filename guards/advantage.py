@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from engine import StepReport, TransportBatch
 from guards.base import Guard
 from guards.verdict import Action, Finding
@@ -25,13 +27,15 @@ class AdvantageGuard(Guard):
                     threshold=self.config.zero_std_fraction_max,
                 )
             )
-        trainable = batch.advantages[batch.loss_mask]
-        if trainable.numel() and not bool(trainable.any()):
+        # elementwise, not a masked copy: is any trainable token's advantage non-zero?
+        signal = torch.logical_and(batch.advantages != 0, batch.loss_mask).any()
+        trainable = 0 if bool(signal) else int(batch.loss_mask.sum())
+        if trainable:
             findings.append(
                 self.finding(
                     "every advantage of the batch is 0: no learning signal",
                     Action[self.config.all_zero_action],
-                    trainable_tokens=float(trainable.numel()),
+                    trainable_tokens=float(trainable),
                 )
             )
         return findings

@@ -28,6 +28,17 @@ def test_advantage_all_zero_warns_and_padding_does_not_count() -> None:
     assert len(both) == 2
 
 
+def test_advantage_signal_counts_only_on_trainable_tokens() -> None:
+    guard = AdvantageGuard(AdvantageConfig())
+    b = batch([[0, 1, 1, 0]], advantages=0.0)
+    b.advantages[0, 0, 0] = 2.0  # a prompt token's advantage is no learning signal
+    (finding,) = guard.after(b, report())
+    assert finding.evidence["trainable_tokens"] == 2
+    b.advantages[0, 0, 2] = math.nan  # not 0: the finite guard's business, not this one's
+    assert guard.after(b, report()) == []
+    assert guard.after(batch([[0, 0, 0, 0]], advantages=0.0), report()) == []  # nothing trained
+
+
 def test_mismatch_thresholds_and_missing_sampler_logprobs() -> None:
     guard = SamplerMismatchGuard(SamplerMismatchConfig())
     assert guard.after(batch(), report(mismatch_p99=1.0, mismatch_frac_above_0_1=0.2)) == []
