@@ -1,14 +1,16 @@
 """`FlightRecorder`: every step's TransportBatch and StepReport, recorded off the critical path.
 
 `record()` hands the step to a writer thread through a bounded queue; a full queue blocks the
-trainer (and is counted in `blocked_total`), it never drops a step. The writer stages each
-batch blob (serialised into a temp file) and commits in groups (`commit_every_steps` steps,
-or `commit_interval_seconds` after the first of them): every staged file is fsynced and
-renamed into place, the directory fsynced once, then one transaction adds the blob rows and
-the step rows. A step whose verdict is at or above `incident_action` commits its group at
-once, with its incident pinning the checkpoint before it; so do a noted checkpoint (the
-steps before it first), `drain()` and `close()`. A crash loses at most the uncommitted
-steps, all after the last noted checkpoint, which a resumed run re-runs and records.
+trainer (and is counted in `blocked_total`), it never drops a step. The writer commits in
+groups (`commit_every_steps` steps, or `commit_interval_seconds` after the first of them),
+holding up to `queue_size` of a group's batches (and HOLD_BYTES) in memory, beyond which it
+stages them into temp files early. At the commit each batch blob is serialised into a temp
+file, every file is fsynced and renamed into place, the directory fsynced once, then one
+transaction adds the blob rows and the step rows. A step whose verdict is at or above
+`incident_action` commits its group at once, with its incident pinning the checkpoint before
+it; so do a noted checkpoint (the steps before it first), `drain()` and `close()`. A crash
+loses at most the uncommitted steps, all after the last noted checkpoint, which a resumed
+run re-runs.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from forensics.store import Store
 
 OUTCOMES = ("applied", "flushed", "skipped")
 WRITER_NICE = 10  # the writer thread's niceness (a lower priority than the trainer's)
+HOLD_BYTES = 64 * 1024**2  # batch bytes a commit group may hold in memory before staging them
 
 
 _STEP_INSERT = insert(Step)
@@ -70,7 +73,7 @@ class _Staged:
 
 
 _STOP = object()
-_COMMIT = object()  # drain(): commit what is staged now
+_COMMIT = object()  # drain(): commit what is held now
 
 
 class FlightRecorder:
@@ -102,7 +105,9 @@ class FlightRecorder:
         self.write_cpu_seconds_total = 0.0  # the writer thread's CPU time in that work
         self.commits_total = 0  # transactions that committed steps
         self._error: BaseException | None = None
-        self._group: list[_Staged] = []  # staged steps, oldest first (writer thread only)
+        # uncommitted steps, oldest first: held in memory, or staged (writer thread only)
+        self._group: list[_StepItem | _Staged] = []
+        self._held = self._held_bytes = 0  # held (not yet staged) batches, their tensor bytes
         self._group_deadline = 0.0  # time.monotonic() by which the group commits
         self._queue: queue.Queue = queue.Queue(maxsize=self.config.queue_size)
         self._thread = threading.Thread(target=self._write_loop, name="grpod-recorder", daemon=True)
@@ -114,8 +119,8 @@ class FlightRecorder:
         return self._queue.qsize()
 
     @property
-    def staged_steps(self) -> int:
-        """Steps the writer has staged (blob in a temp file) and not yet committed."""
+    def uncommitted_steps(self) -> int:
+        """Steps the writer has taken from the queue and not yet committed."""
         return len(self._group)
 
     # ----------------------------------------------------------------- trainer side
@@ -209,7 +214,7 @@ class FlightRecorder:
                 timeout = max(0.0, self._group_deadline - time.monotonic())
             try:
                 item = self._queue.get(timeout=timeout)
-            except queue.Empty:  # the oldest staged step has waited commit_interval_seconds
+            except queue.Empty:  # the oldest held step has waited commit_interval_seconds
                 self._work(self._commit)
                 continue
             try:
@@ -251,9 +256,28 @@ class FlightRecorder:
                     )
                 )
         else:
-            self._stage(item)
+            self._hold(item)
 
-    def _stage(self, item: _StepItem) -> None:
+    def _hold(self, item: _StepItem) -> None:
+        """Hold a step for its group. Its work runs in one burst at the commit (warm caches,
+        one handoff of the GIL instead of one per step), or earlier once `queue_size` batches
+        or HOLD_BYTES are held (then they are staged into temp files, out of memory)."""
+        if not self._group:
+            self._group_deadline = time.monotonic() + self.config.commit_interval_seconds
+        self._group.append(item)
+        self._held += 1
+        self._held_bytes += sum(t.nbytes for t in item.batch.tensors().values())
+        if self._held >= self.config.queue_size or self._held_bytes > HOLD_BYTES:
+            self._stage_held()  # memory: at most queue_size batches queued and as many held
+        opened = action_rank(item.verdict["action"]) >= self.incident_rank
+        if opened or len(self._group) >= self.config.commit_every_steps:
+            self._commit()  # an incident is durable as soon as the writer reaches it
+
+    def _stage_held(self) -> None:
+        self._group = [self._stage(x) if isinstance(x, _StepItem) else x for x in self._group]
+        self._held = self._held_bytes = 0
+
+    def _stage(self, item: _StepItem) -> _Staged:
         batch = item.batch
         blob = self.blobs.stage(batch.tensors(), batch.metadata())
         report = item.report
@@ -271,18 +295,15 @@ class FlightRecorder:
             **scalars,
         )
         opened = action_rank(item.verdict["action"]) >= self.incident_rank
-        if not self._group:
-            self._group_deadline = time.monotonic() + self.config.commit_interval_seconds
-        self._group.append(_Staged(blob, row, item.verdict if opened else None))
-        if opened or len(self._group) >= self.config.commit_every_steps:
-            self._commit()  # an incident is durable as soon as the writer reaches it
+        return _Staged(blob, row, item.verdict if opened else None)
 
     def _commit(self) -> None:
         """Publish the group's blobs (fsync, rename, one directory fsync), then commit its
         blob rows, step rows and incidents in one transaction."""
-        group = self._group
-        if not group:
+        if not self._group:
             return
+        self._stage_held()
+        group: list[_Staged] = self._group  # type: ignore[assignment]
         self.blobs.publish([staged.blob for staged in group])  # files complete first
         blobs = {staged.blob.digest: staged.blob for staged in group}
         opened = 0

@@ -1,4 +1,4 @@
-"""Records acknowledged, incident and staged steps, then waits to be killed (test_group_commit)."""
+"""Records acknowledged, incident and held steps, then waits to be killed (test_group_commit)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ def main(run_dir: str) -> None:
     recorder.drain()  # steps 0-4 acknowledged
     for step, verdict in ((5, PASS), (6, PASS), (7, WARN)):  # the incident commits 5-7
         recorder.record(tiny_batch(step), tiny_report(step), verdict, "applied")
-    for step in (8, 9):  # staged, not acknowledged
+    for step in (8, 9):  # held, not acknowledged
         recorder.record(tiny_batch(step), tiny_report(step), PASS, "applied")
-    while recorder.staged_steps < 2 or recorder.queue_depth:
+    while recorder.uncommitted_steps < 2 or recorder.queue_depth:
         time.sleep(0.001)
-    print(recorder.recorded_total, recorder.staged_steps, flush=True)
+    print(recorder.recorded_total, recorder.uncommitted_steps, flush=True)
     time.sleep(3600)
 
 

@@ -1,5 +1,5 @@
 """Group commit: steps commit in groups; incidents, checkpoints, drain and close commit at once;
-a SIGKILL loses only staged steps that were never acknowledged, and the store stays clean."""
+a SIGKILL loses only held steps that were never acknowledged, and the store stays clean."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load, save
 from sqlalchemy import func, select
 
-from forensics import BlobStore, FlightRecorder, ForensicsConfig, Store, canonical_digest, fsck, gc
+from forensics import BlobStore, FlightRecorder, ForensicsConfig, Store, canonical_digest, fsck
+from forensics import recorder as recorder_module
 from forensics.blobs import TEMP_PREFIX, encode
 from forensics.models import Checkpoint, Incident, Step
 from tests.forensics.test_store import PASS, WARN, tiny_batch, tiny_report
@@ -50,7 +52,7 @@ def test_steps_commit_in_groups_incidents_and_checkpoints_at_once(tmp_path: Path
 
     for step in range(3):
         record(step)
-    wait_for(lambda: recorder.staged_steps == 3, "three staged steps")
+    wait_for(lambda: recorder.uncommitted_steps == 3, "three held steps")
     assert stored(tmp_path) == ([], [], []) and recorder.recorded_total == 0
     record(3)  # the group is full
     wait_for(lambda: recorder.recorded_total == 4, "the first group committed")
@@ -68,7 +70,7 @@ def test_steps_commit_in_groups_incidents_and_checkpoints_at_once(tmp_path: Path
 
     record(7)
     recorder.drain()  # acknowledged: committed when drain returns
-    assert stored(tmp_path)[0] == list(range(8)) and recorder.staged_steps == 0
+    assert stored(tmp_path)[0] == list(range(8)) and recorder.uncommitted_steps == 0
     record(8)
     recorder.close()
     assert stored(tmp_path)[0] == list(range(9))
@@ -97,7 +99,7 @@ def test_commit_every_step_is_one_commit_per_step(tmp_path: Path) -> None:
     assert recorder.commits_total == 3 and stored(tmp_path)[0] == [0, 1, 2]
 
 
-def test_sigkill_loses_only_unacknowledged_staged_steps(tmp_path: Path) -> None:
+def test_sigkill_loses_only_unacknowledged_uncommitted_steps(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     child = subprocess.Popen(
         [sys.executable, "-m", "tests.forensics.group_writer", str(run_dir)],
@@ -107,7 +109,7 @@ def test_sigkill_loses_only_unacknowledged_staged_steps(tmp_path: Path) -> None:
     )
     try:
         line = child.stdout.readline()
-        assert line.split() == ["8", "2"], line  # 8 committed, 2 staged
+        assert line.split() == ["8", "2"], line  # 8 committed, 2 held
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
@@ -123,13 +125,25 @@ def test_sigkill_loses_only_unacknowledged_staged_steps(tmp_path: Path) -> None:
     store.close()
     for digest in digests:
         blobs.verify(digest)
-    staged = [p for p in blobs.root.iterdir() if p.name.startswith(TEMP_PREFIX)]
-    assert len(staged) == 2  # the lost steps' temp files: never renamed, never referenced
-    report = fsck(run_dir)
-    assert report.ok and report.notes  # leftovers are notes, not problems
-    gc(run_dir, budget_bytes=1 << 40, grace_seconds=0)
-    assert not any(p.name.startswith(TEMP_PREFIX) for p in blobs.root.iterdir())
+    assert sorted(p.name for p in blobs.root.iterdir()) == sorted(set(digests))  # 8-9: memory
     assert fsck(run_dir).ok and not fsck(run_dir).notes
+
+
+def test_held_batches_past_the_memory_cap_are_staged_early(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(recorder_module, "HOLD_BYTES", 1)  # every batch is over the cap
+    config = ForensicsConfig(commit_every_steps=8, commit_interval_seconds=3600)
+    recorder = FlightRecorder(tmp_path, config)
+    recorder.start_run("r", {"engine": {}}, {}, "cpu")
+    for step in range(3):
+        recorder.record(tiny_batch(step), tiny_report(step), PASS, "applied")
+    wait_for(lambda: recorder.uncommitted_steps == 3, "three held steps")
+    temps = [p for p in recorder.blobs.root.iterdir() if p.name.startswith(TEMP_PREFIX)]
+    assert len(temps) == 3 and stored(tmp_path)[0] == []  # on disk, not yet committed
+    recorder.close()
+    assert stored(tmp_path)[0] == [0, 1, 2]
+    assert fsck(tmp_path).ok and not fsck(tmp_path).notes
 
 
 def test_encode_writes_what_safetensors_reads() -> None:
