@@ -3,6 +3,8 @@
 1. Step time with the recorder on vs off, in one run on one engine: blocks of `--block`
    steps alternate on/off (the order flips every pair to cancel drift); an "on" block's time
    includes draining the writer at its end, so all of the recorder's work is charged to it.
+   A block is one commit group (`commit_every_steps`, 16) by default: a drain commits early,
+   which a running daemon never waits for.
    Reported: the median over pairs of (on seconds per step / off seconds per step), and the
    parts of the overhead that a busy machine disturbs less: the process CPU-time ratio, the
    median time of a record() call (on the trainer's path) and the writer thread's busy
@@ -11,7 +13,7 @@
    W1 batches vs a plain sequential write of the same serialised bytes, with and without
    fsync. Reported as ratios of bytes per second (blob / plain).
 
-Usage: .venv/bin/python bench/recorder_overhead.py [--pairs 12] [--block 4] [--run-dir DIR]
+Usage: .venv/bin/python bench/recorder_overhead.py [--pairs 12] [--block 16] [--run-dir DIR]
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def step_overhead(run_dir: Path, pairs: int, block: int, warmup: int) -> dict[st
     calls: list[float] = []
     timed_block(engine, warmup, recorder, calls)
     calls.clear()
-    written = recorder.write_seconds_total
+    written, written_cpu = recorder.write_seconds_total, recorder.write_cpu_seconds_total
     on, off, ratios, cpu_ratios = [], [], [], []
     for pair in range(pairs):
         order = (True, False) if pair % 2 == 0 else (False, True)
@@ -75,6 +77,7 @@ def step_overhead(run_dir: Path, pairs: int, block: int, warmup: int) -> dict[st
         cpu_ratios.append(seconds[True][1] / seconds[False][1])
     blocked = recorder.blocked_total
     writer_seconds = (recorder.write_seconds_total - written) / len(calls)
+    writer_cpu = recorder.write_cpu_seconds_total - written_cpu
     recorder.close()
     off_median = statistics.median(off)
     return {
@@ -84,9 +87,11 @@ def step_overhead(run_dir: Path, pairs: int, block: int, warmup: int) -> dict[st
         "step_time_ratios": [round(r, 4) for r in ratios],
         "cpu_time_ratio_median": statistics.median(cpu_ratios),  # process CPU seconds
         "recorder_blocked_total": blocked,
+        "recorder_commits": recorder.commits_total,
         # the parts of the overhead, less exposed to a noisy machine than the ratio:
         "record_call_seconds_median": statistics.median(calls),  # on the trainer's path
-        "writer_seconds_per_step": writer_seconds,  # in the background thread
+        "writer_seconds_per_step": writer_seconds,  # in the background thread (wall)
+        "writer_cpu_seconds_per_step": writer_cpu / len(calls),  # that thread's CPU time
         "writer_fraction_of_off_step": writer_seconds / off_median,
     }
 
@@ -129,7 +134,7 @@ def blob_throughput(run_dir: Path, batches: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=12)
-    parser.add_argument("--block", type=int, default=4)
+    parser.add_argument("--block", type=int, default=ForensicsConfig().commit_every_steps)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--run-dir", type=Path, default=None)
