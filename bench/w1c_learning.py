@@ -62,8 +62,8 @@ def plot(traces: list[dict], path: Path, dpi: int = 100) -> None:
         ax.axhline(threshold, color="grey", linestyle=":", linewidth=0.8)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward")
-    seeds = f", {len(traces)} seeds" if len(traces) > 1 else ""
-    ax.set_title(f"W1c tiny-copy: 5-step mean reward, same model / prompts / settings{seeds}")
+    seeds = f" ({len(traces)} seeds, the first solid)" if len(traces) > 1 else ""
+    ax.set_title(f"W1c tiny-copy: grpod vs TRL, same settings{seeds}", fontsize=10)
     ax.set_ylim(0, 1.02)
     ax.legend(loc="lower right")
     fig.tight_layout()
