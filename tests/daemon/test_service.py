@@ -262,8 +262,9 @@ HALT_ENGINE = {**TINY_ENGINE, "fault_nan_loss_steps": [1, 2]}
 
 
 def test_second_sigterm_drops_the_step_and_exits_without_checkpoint(tmp_path: Path) -> None:
-    # steps of 128 completions (~0.2 s) so both signals land inside one step's compute
-    engine = {"prompts_per_step": 16, "group_size": 8, "seq_len": 32, "max_new_tokens": 4}
+    # steps of 1024 completions (~0.5 s idle, more under load) so both signals, 80 ms
+    # apart, land inside one step's compute however fast the engine gets
+    engine = {"prompts_per_step": 64, "group_size": 16, "seq_len": 32, "max_new_tokens": 4}
     config = tiny_config(tmp_path / "grpod.toml", free_port(), engine, checkpoint_every=100)
     g = Grpod(["--config", str(config), "--run-dir", "run", "--max-steps", "50"], tmp_path)
     g.wait_step(1)
