@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -45,7 +46,7 @@ def sample(
     pad_token_id: int,
     generator: torch.Generator,
     dtype: str = "float32",
-    decoder: str = "auto",
+    decoder: Literal["auto", "hf"] = "auto",
 ) -> Rollout:
     """Sample one completion per prompt (repeat prompts for a group).
 
