@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 ARCHITECTURES = frozenset({"qwen2", "llama"})
-MATH_ATTENTION_MAX_KEYS = 256  # prefill: above this the s x s scores cost more than SDPA
+MATH_ATTENTION_MAX_KEYS = 64  # prefill: above this the s x s scores cost more than SDPA
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
@@ -160,14 +160,23 @@ class StaticDecoder:
         mask = mask.expand(d, s, s)[:, None]
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
         x = F.embedding(ids, fused.embed, fused.padding_idx)
+        rows = self.shape[0]
+        # GRPO groups: prompt j seeds rows [j * g, (j + 1) * g), written by one broadcast copy
+        grouped = fan_out is not None and rows % d == 0
+        grouped = grouped and torch.equal(
+            fan_out, torch.arange(d, device=fan_out.device).repeat_interleave(rows // d)
+        )
         self.cache = []
         for layer in fused.layers:
             q, k, v = fused.qkv(layer, x, cos, sin)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [d, kv, s, hd]
             x = fused.finish(layer, x, fused.attention(q, k, v, mask))
             k_cache, v_cache = k.new_empty(self.shape), v.new_empty(self.shape)
-            k_cache[:, :, :s] = k if fan_out is None else k[fan_out]
-            v_cache[:, :, :s] = v if fan_out is None else v[fan_out]
+            for cache, new in ((k_cache, k), (v_cache, v)):
+                if grouped:
+                    cache.view(d, rows // d, *self.shape[1:])[:, :, :, :s] = new[:, None]
+                else:
+                    cache[:, :, :s] = new if fan_out is None else new[fan_out]
             self.cache.append((k_cache, v_cache))
         if valid is not None:
             self.key_valid[:, :s] = valid if fan_out is None else valid[fan_out]

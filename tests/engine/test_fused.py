@@ -34,13 +34,14 @@ def _tiny_llama() -> torch.nn.Module:
 
 @pytest.mark.parametrize("model_name", ["qwen2", "llama"])
 @pytest.mark.parametrize("math_max_keys", [256, 0])  # prefill by batched matmuls, or SDPA
+@pytest.mark.parametrize("groups", [[0, 0, 1, 2, 2, 2], [0, 0, 1, 1, 2, 2]])  # gather, broadcast
 def test_decoder_logits_match_hugging_face_step_by_step(
-    model_name: str, math_max_keys: int, monkeypatch: pytest.MonkeyPatch
+    model_name: str, math_max_keys: int, groups: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fused, "MATH_ATTENTION_MAX_KEYS", math_max_keys)
     model = build_tiny_qwen2(15) if model_name == "qwen2" else _tiny_llama()
     prompts = [[1, 4, 13, 5, 14], [1, 7, 14], [1, 9, 9, 13, 3, 14]]  # ragged: left padding
-    fan_out = torch.tensor([0, 0, 1, 2, 2, 2])
+    fan_out = torch.tensor(groups)
     width = max(map(len, prompts))
     ids = torch.zeros(3, width, dtype=torch.long)
     valid = torch.zeros(3, width, dtype=torch.bool)
