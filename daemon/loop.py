@@ -200,7 +200,10 @@ class Daemon:
 
         self.metrics.observe_step(report, verdict, outcome, phases, policy.gradnorm_vtc_correlation)
         self.metrics.observe_recorder(
-            self.recorder.queue_depth, self.recorder.blocked_total, self.recorder.incidents_total
+            self.recorder.queue_depth,
+            self.recorder.blocked_total,
+            self.recorder.incidents_total,
+            self.recorder.uncommitted_steps,
         )
         self.last_verdict = _verdict_text(verdict)
         self.last_step = report.step
@@ -286,7 +289,12 @@ class Daemon:
         except Exception as exc:  # a store that failed must not hide the reason we stop
             self.log.error("recorder close failed", error=str(exc))
             code = code or EXIT_FAILURE
-        self.metrics.observe_recorder(0, self.recorder.blocked_total, self.recorder.incidents_total)
+        self.metrics.observe_recorder(
+            0,
+            self.recorder.blocked_total,
+            self.recorder.incidents_total,
+            self.recorder.uncommitted_steps,  # 0 unless the close failed
+        )
         self._publish_status(state, reason=reason, exit_code=code)
         extra: dict[str, Any] = {}
         if self.config.daemon.state_digest_on_exit:

@@ -84,6 +84,10 @@ class Metrics:
             "last_step_timestamp_seconds", "Unix time the last step finished", mode="max"
         )
         self.recorder_queue_depth = gauge("recorder_queue_depth", "Steps waiting to be recorded")
+        self.recorder_uncommitted_steps = gauge(
+            "recorder_uncommitted_steps",
+            "Steps taken by the recorder's writer and not yet committed (group commit)",
+        )
         self.recorder_blocked_total = Counter(
             "grpod_recorder_blocked_total",
             "Steps that waited on a full recorder queue",
@@ -141,9 +145,16 @@ class Metrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def observe_recorder(self, queue_depth: int, blocked_total: int, incidents_total: int) -> None:
+    def observe_recorder(
+        self,
+        queue_depth: int,
+        blocked_total: int,
+        incidents_total: int,
+        uncommitted_steps: int = 0,
+    ) -> None:
         """Mirror the flight recorder's gauges and running totals (totals only go up)."""
         self.recorder_queue_depth.set(queue_depth)
+        self.recorder_uncommitted_steps.set(uncommitted_steps)
         for key, total, counter in (
             ("incidents", incidents_total, self.incidents_total),
             ("blocked", blocked_total, self.recorder_blocked_total),

@@ -41,6 +41,7 @@ CONTRACT_NAMES = [
     "grpod_completions_total",
     "grpod_last_step_timestamp_seconds",
     "grpod_recorder_queue_depth",
+    "grpod_recorder_uncommitted_steps",
     "grpod_recorder_blocked_total",
     "grpod_halted",
     "grpod_verdict_action",
@@ -79,8 +80,8 @@ def test_every_contract_name_and_the_values() -> None:
     verdict = Verdict(Action.WARN, [Finding("accounting", Action.WARN, "vtc != mask", {})])
     phases = {**report().phase_seconds, "guards": 0.001, "record": 0.0002}
     metrics.observe_step(report(), verdict, "applied", phases, 0.83, now=1234.0)
-    metrics.observe_recorder(queue_depth=2, blocked_total=1, incidents_total=1)
-    metrics.observe_recorder(queue_depth=0, blocked_total=1, incidents_total=3)
+    metrics.observe_recorder(queue_depth=2, blocked_total=1, incidents_total=1, uncommitted_steps=5)
+    metrics.observe_recorder(queue_depth=0, blocked_total=1, incidents_total=3, uncommitted_steps=7)
     text = generate_latest(registry).decode()
     names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
     assert set(CONTRACT_NAMES) <= names, set(CONTRACT_NAMES) - names
@@ -99,6 +100,7 @@ def test_every_contract_name_and_the_values() -> None:
     assert values["grpod_completions_total"] == 16 and values["grpod_completion_tokens_total"] == 56
     assert values["grpod_incidents_total"] == 3 and values["grpod_recorder_blocked_total"] == 1
     assert values["grpod_recorder_queue_depth"] == 0
+    assert values["grpod_recorder_uncommitted_steps"] == 7
     assert values["grpod_last_step_timestamp_seconds"] == 1234.0
     assert values['grpod_build_info{torch="2",transformers="5",version="0.1.0"}'] == 1
     assert values['grpod_phase_duration_seconds_count{phase="guards"}'] == 1

@@ -147,6 +147,7 @@ def test_metrics_health_notify_and_reload(tmp_path: Path) -> None:
     for name in ("applied", "flushed", "skipped"):
         assert metrics[f'grpod_steps_total{{outcome="{name}"}}'] == outcomes.count(name)
     assert metrics["grpod_recorder_queue_depth"] == 0
+    assert metrics["grpod_recorder_uncommitted_steps"] == 0  # the stop committed everything
     assert metrics["grpod_halted"] == 0
     assert 'grpod_phase_duration_seconds_count{phase="checkpoint"}' in metrics
     assert any(key.startswith("grpod_build_info{") for key in metrics)

@@ -47,6 +47,7 @@ CONTRACT: dict[str, str] = {
     "grpod_completions_total": "counter",
     "grpod_last_step_timestamp_seconds": "gauge",
     "grpod_recorder_queue_depth": "gauge",
+    "grpod_recorder_uncommitted_steps": "gauge",
     "grpod_recorder_blocked_total": "counter",
     "grpod_halted": "gauge",
     "grpod_verdict_action": "gauge",
