@@ -18,14 +18,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import _TYPES, load, save
+from safetensors.torch import load, save
 
 from engine.checkpoint import fsync_dir
 from forensics.errors import ForensicsError
 
 BLOB_DIR = Path("blobs") / "sha256"
 TEMP_PREFIX = ".tmp-"
-_SAFETENSORS_DTYPES = {dtype: name for name, dtype in _TYPES.items()}
+# dtype names of the safetensors format (its spec); other dtypes go through `save`
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def canonical_digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
