@@ -16,8 +16,9 @@ It is the model's forward up to FP32 rounding (tests/engine/test_fused.py holds 
 Hugging Face logits step by step), so the sampler's logprobs still match the trainer's.
 `unsupported` says when a model is not covered (another architecture, sliding windows,
 length-dependent RoPE, forward hooks that a Hugging Face forward would run); those decode
-through Hugging Face. The training trunk stays the Hugging Face forward: at W1's sizes this
-fused form measured no faster there (fwd+bwd 1.02x slower, bench/README.md).
+through Hugging Face. The training trunk does not use this fused form: with autograd through
+the fused weights it measured 1.02x slower than Hugging Face at W1's sizes (bench/README.md);
+it has its own unfused, bit-identical forward in engine/trunk.py.
 """
 
 from __future__ import annotations
@@ -46,9 +47,21 @@ def unsupported(model: torch.nn.Module) -> str | None:
     rope_type = getattr(getattr(model.base_model, "rotary_emb", None), "rope_type", None)
     if rope_type is None or rope_type in ("dynamic", "longrope"):
         return f"rope type {rope_type!r} depends on the sequence length"
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+    if _has_hooks(model):
         return "the model has forward hooks"
     return None
+
+
+def _has_hooks(model: torch.nn.Module) -> bool:
+    """Any forward (pre-)hook on `model` or a submodule: a plain walk over `_modules`, a third
+    of `model.modules()`'s cost (this runs on every rollout and training pass)."""
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if module._forward_hooks or module._forward_pre_hooks:
+            return True
+        stack.extend(m for m in module._modules.values() if m is not None)
+    return False
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,8 @@ from engine.report import StepReport
 from engine.rollout import Rollout, sample
 from engine.stats import StepStats
 from engine.tasks import build_task
+from engine.trunk import trunk_states
+from engine.trunk import unsupported as trunk_unsupported
 
 SENTINEL_LOGPROB = -9999.0
 LOSS_SPIKE_SCALE = 1000.0
@@ -345,14 +347,24 @@ class Engine:
     def _run_trunk(
         self, model: torch.nn.Module, layout: TrunkLayout
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Trunk states `[positions run + 1, H]` (last row zeros) and the layout's source."""
+        """Trunk states `[positions run + 1, H]` (last row zeros) and the layout's source.
+
+        Qwen2 / Llama in FP32 run `engine.trunk.trunk_states` (bit-identical to the Hugging
+        Face forward, without its plumbing); anything else the Hugging Face forward.
+        """
+        input_ids = layout.input_ids.to(self.device)
+        position_ids = layout.position_ids.to(self.device)
+        mask = layout.attention_mask.to(self.device)
         with compute_context(self.config.dtype, self.device):
-            hidden = model.base_model(
-                input_ids=layout.input_ids.to(self.device),
-                position_ids=layout.position_ids.to(self.device),
-                attention_mask=layout.attention_mask.to(self.device),
-                use_cache=False,
-            ).last_hidden_state
+            if trunk_unsupported(model, self.config.dtype) is None:
+                hidden = trunk_states(model, input_ids, position_ids, mask)
+            else:
+                hidden = model.base_model(
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    attention_mask=mask,
+                    use_cache=False,
+                ).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1])
         hidden = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[-1])])
         return hidden, layout.source.to(self.device)

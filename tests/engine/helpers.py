@@ -48,3 +48,22 @@ def hand_batch(
         config_digest="test",
         sequence_chunks=chunks,
     )
+
+
+def tiny_llama() -> torch.nn.Module:
+    """A Llama (no attention biases, 4 query heads per K/V head), random init."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=15,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        return LlamaForCausalLM(cfg).float()

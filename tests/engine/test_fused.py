@@ -10,26 +10,7 @@ from engine import Engine
 from engine.fused import StaticDecoder, unsupported
 from engine.model import build_tiny_qwen2
 from engine.rollout import sample
-from tests.engine.helpers import config
-
-
-def _tiny_llama() -> torch.nn.Module:
-    """A Llama (no attention biases, 4 query heads per K/V head), random init."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=15,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        return LlamaForCausalLM(cfg).float()
+from tests.engine.helpers import config, tiny_llama
 
 
 @pytest.mark.parametrize("model_name", ["qwen2", "llama"])
@@ -39,7 +20,7 @@ def test_decoder_logits_match_hugging_face_step_by_step(
     model_name: str, math_max_keys: int, groups: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fused, "MATH_ATTENTION_MAX_KEYS", math_max_keys)
-    model = build_tiny_qwen2(15) if model_name == "qwen2" else _tiny_llama()
+    model = build_tiny_qwen2(15) if model_name == "qwen2" else tiny_llama()
     prompts = [[1, 4, 13, 5, 14], [1, 7, 14], [1, 9, 9, 13, 3, 14]]  # ragged: left padding
     fan_out = torch.tensor(groups)
     width = max(map(len, prompts))
