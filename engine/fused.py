@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.packing import causal_and_eye
+
 ARCHITECTURES = frozenset({"qwen2", "llama"})
 MATH_ATTENTION_MAX_KEYS = 64  # prefill: above this the s x s scores cost more than SDPA
 
@@ -167,9 +169,9 @@ class StaticDecoder:
         """
         fused, (d, s) = self.fused, ids.shape
         # causal, padding keys hidden, a padding query sees itself (no empty softmax row)
-        mask = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+        mask, eye = causal_and_eye(s, ids.device)
         if valid is not None:
-            mask = (mask & valid[:, None, :]) | torch.eye(s, dtype=torch.bool, device=ids.device)
+            mask = (mask & valid[:, None, :]) | eye
         mask = mask.expand(d, s, s)[:, None]
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
         x = F.embedding(ids, fused.embed, fused.padding_idx)
