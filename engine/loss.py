@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 
 def _head_logprobs(
@@ -35,11 +34,60 @@ def token_logprobs(
     """FP32 logprobs `[tokens]` of `targets: [tokens]` given `hidden: [tokens, H]`."""
     if chunks <= 1 or hidden.shape[0] <= 1:
         return _head_logprobs(hidden, weight, targets, temperature)
-    parts = [
-        checkpoint(_head_logprobs, h, weight, t, temperature, use_reentrant=False)
-        for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks))
-    ]
-    return torch.cat(parts)
+    return _ChunkedHead.apply(hidden, weight, targets, chunks, temperature)
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """The head's logprobs chunk by chunk of rows, each chunk's `[rows, vocab]` logits
+    recomputed in the backward: what activation checkpointing of `_head_logprobs` per chunk
+    does, without its hooks on every saved tensor (those cost ~25% of W2's training pass at
+    `lmhead_chunks` 4, bench/README.md). The forward is `_head_logprobs` op for op; the
+    backward is the log-softmax gradient `g * (onehot(target) - softmax) / temperature`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunks: int, temperature: float):
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.chunks, ctx.temperature = chunks, temperature
+        parts = [
+            _head_logprobs(h, weight, t, temperature)
+            for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks))
+        ]
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets = ctx.saved_tensors
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        w32 = weight.float()
+        grad_hidden = []
+        grad_weight = torch.zeros_like(w32) if want_weight else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            splits = zip(
+                hidden.tensor_split(ctx.chunks),
+                targets.tensor_split(ctx.chunks),
+                grad_out.tensor_split(ctx.chunks),
+            )
+            for h, t, g in splits:
+                h32 = h.float()
+                logits = h32 @ w32.t()
+                if ctx.temperature != 1.0:
+                    logits = logits / ctx.temperature
+                # d(picked - logsumexp)/d logits = onehot(target) - softmax(logits)
+                grad_logits = torch.softmax(logits, dim=-1).mul_(-g[:, None])
+                grad_logits.scatter_add_(-1, t[:, None], g[:, None])
+                if ctx.temperature != 1.0:
+                    grad_logits = grad_logits / ctx.temperature
+                if want_hidden:
+                    grad_hidden.append(grad_logits @ w32)
+                if want_weight:
+                    grad_weight.addmm_(grad_logits.t(), h32)
+        return (
+            torch.cat(grad_hidden).to(hidden.dtype) if want_hidden else None,
+            grad_weight.to(weight.dtype) if want_weight else None,
+            None,
+            None,
+            None,
+        )
 
 
 _FP32_MIN, _FP32_MAX = torch.finfo(torch.float32).min, torch.finfo(torch.float32).max
