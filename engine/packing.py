@@ -154,6 +154,82 @@ class TrunkLayout:
     tokens: int  # real (non-padding) tokens run
 
 
+@dataclass(frozen=True)
+class UnitScan:
+    """The units of a stretch of rows (`units` None: it must run as laid out), the samples
+    it holds and how many of its rows hold any."""
+
+    units: dict[tuple, list[list[int]]] | None
+    samples: frozenset[int]
+    used_rows: int
+
+
+def scan_units(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    sample_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ids: list[int] | None = None,
+    pos: list[int] | None = None,
+) -> UnitScan:
+    """One pass over `[rows, seq]` rows: each sample's span and first / last trainable
+    position, grouped into units, one per distinct (prompt tokens, prompt positions), members
+    in row order as `[start, first, last]` flat positions."""
+    ids = input_ids.reshape(-1).tolist() if ids is None else ids
+    pos = position_ids.reshape(-1).tolist() if pos is None else pos
+    sid = sample_ids.reshape(-1)
+    used_rows = int((sample_ids >= 0).any(-1).sum())
+    values, counts = torch.unique_consecutive(sid, return_counts=True)
+    spans: dict[int, list[int]] = {}
+    at = 0
+    plain = False
+    for s, n in zip(values.tolist(), counts.tolist()):
+        if s >= 0:
+            if s in spans:  # a sample in two places is not a packed batch: run it as laid out
+                plain = True
+            spans[s] = [at, at + n, -1, -1]
+        at += n
+    samples = frozenset(spans)
+    if plain:
+        return UnitScan(None, samples, used_rows)
+    owner = sid.tolist()
+    for p in loss_mask.reshape(-1).nonzero().squeeze(-1).tolist():
+        span = spans.get(owner[p])
+        if span is None:
+            return UnitScan(None, samples, used_rows)
+        if span[2] < 0:
+            span[2] = p
+        span[3] = p
+    units: dict[tuple, list[list[int]]] = {}
+    for start, _, first, last in spans.values():
+        if first < 0:
+            continue  # nothing scored in this sample: it is not run at all
+        if first == start:  # token p scored by p-1 outside the sample: keep the plain layout
+            return UnitScan(None, samples, used_rows)
+        key = (tuple(ids[start:first]), tuple(pos[start:first]))
+        units.setdefault(key, []).append([start, first, last])
+    return UnitScan(units, samples, used_rows)
+
+
+def joint_slots(scans: list[UnitScan], seq: int) -> int:
+    """`trunk_layout(...).input_ids.numel()` of the scans' rows stacked in order, without
+    building it: what the trainer needs to decide which micros share one trunk pass."""
+    samples = [scan.samples for scan in scans]
+    merged: dict[tuple, list[int]] = {}  # key -> [prompt length, member tokens]
+    packed = all(scan.units is not None for scan in scans)
+    if packed and sum(map(len, samples)) == len(frozenset().union(*samples)):
+        for scan in scans:
+            for key, members in scan.units.items():  # type: ignore[union-attr]
+                start, first, _ = members[0]
+                entry = merged.setdefault(key, [first - start, 0])
+                entry[1] += sum(last - m_first for _, m_first, last in members)
+    if not merged:  # the plain layout: every used row as packed
+        return max(1, sum(scan.used_rows for scan in scans)) * seq
+    lengths = [prompt + members for prompt, members in merged.values()]
+    width, placed = _tightest_rows(lengths, max(seq, *lengths))
+    return len(placed) * width
+
+
 def trunk_layout(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
@@ -164,34 +240,7 @@ def trunk_layout(
     rows, seq = input_ids.shape
     ids = input_ids.reshape(-1).tolist()
     pos = position_ids.reshape(-1).tolist()
-    sid = sample_ids.reshape(-1)
-    # each sample's span [start, end) and its first / last trainable position
-    values, counts = torch.unique_consecutive(sid, return_counts=True)
-    spans: dict[int, list[int]] = {}
-    at = 0
-    for s, n in zip(values.tolist(), counts.tolist()):
-        if s >= 0:
-            if s in spans:  # a sample in two places is not a packed batch: run it as laid out
-                return _plain_layout(input_ids, position_ids, sample_ids)
-            spans[s] = [at, at + n, -1, -1]
-        at += n
-    owner = sid.tolist()
-    for p in loss_mask.reshape(-1).nonzero().squeeze(-1).tolist():
-        span = spans.get(owner[p])
-        if span is None:
-            return _plain_layout(input_ids, position_ids, sample_ids)
-        if span[2] < 0:
-            span[2] = p
-        span[3] = p
-    # units: one per distinct (prompt tokens, prompt positions); members in micro order
-    units: dict[tuple, list[list[int]]] = {}
-    for start, _, first, last in spans.values():
-        if first < 0:
-            continue  # nothing scored in this sample: it is not run at all
-        if first == start:  # token p scored by p-1 outside the sample: keep the plain layout
-            return _plain_layout(input_ids, position_ids, sample_ids)
-        key = (tuple(ids[start:first]), tuple(pos[start:first]))
-        units.setdefault(key, []).append([start, first, last])
+    units = scan_units(input_ids, position_ids, sample_ids, loss_mask, ids, pos).units
     if not units:
         return _plain_layout(input_ids, position_ids, sample_ids)
     lengths = [

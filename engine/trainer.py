@@ -28,7 +28,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.loss import LossSettings, policy_token_loss, token_logprobs
 from engine.model import compute_context, load_policy, resolve_device
-from engine.packing import Sample, TrunkLayout, pack, trunk_layout
+from engine.packing import Sample, TrunkLayout, joint_slots, pack, scan_units, trunk_layout
 from engine.report import StepReport
 from engine.rollout import Rollout, sample
 from engine.stats import StepStats
@@ -328,21 +328,29 @@ class Engine:
             for micro in range(batch.num_micros):
                 yield [micro], _layout(batch, [micro])
             return
-        budget = batch.input_ids.shape[1] * batch.seq_len
-        everything = _layout(batch, list(range(batch.num_micros)))
-        if everything.input_ids.numel() <= budget:  # the common case: one pass, one layout
-            yield list(range(batch.num_micros)), everything
+        seq = batch.seq_len
+        budget = batch.input_ids.shape[1] * seq
+        everything = list(range(batch.num_micros))
+        layout = _layout(batch, everything)
+        if layout.input_ids.numel() <= budget:  # the common case: one pass, one layout
+            yield everything, layout
             return
+        # each micro scanned once; a candidate group's size comes from its scans, and only
+        # the groups that run are laid out
+        scans = [
+            scan_units(
+                batch.input_ids[m], batch.position_ids[m], batch.sample_ids[m], batch.loss_mask[m]
+            )
+            for m in everything
+        ]
         micros: list[int] = []
-        layout: TrunkLayout | None = None
-        for micro in range(batch.num_micros):
-            joint = _layout(batch, [*micros, micro])
-            if micros and joint.input_ids.numel() > budget:
-                yield micros, layout
-                micros, joint = [], _layout(batch, [micro])
-            micros, layout = [*micros, micro], joint
+        for micro in everything:
+            if micros and joint_slots(scans[micros[0] : micro + 1], seq) > budget:
+                yield micros, _layout(batch, micros)
+                micros = []
+            micros.append(micro)
         if micros:
-            yield micros, layout
+            yield micros, _layout(batch, micros)
 
     def _run_trunk(
         self, model: torch.nn.Module, layout: TrunkLayout
