@@ -16,12 +16,28 @@ from tests.engine.helpers import config, tiny_llama
 @pytest.mark.parametrize("model_name", ["qwen2", "llama"])
 @pytest.mark.parametrize("math_max_keys", [256, 0])  # prefill by batched matmuls, or SDPA
 @pytest.mark.parametrize("groups", [[0, 0, 1, 2, 2, 2], [0, 0, 1, 1, 2, 2]])  # gather, broadcast
+@pytest.mark.parametrize(
+    ("prompts", "packed"),
+    [
+        ([[1, 4, 13, 5, 14], [1, 7, 14], [1, 9, 9, 13, 3, 14]], False),  # ragged, left padded
+        ([[1, 4, 13, 5, 14, 3, 4, 5, 6], [1, 7, 14], [1, 9, 9, 13]], True),  # 2 rows, not 3
+    ],
+)
 def test_decoder_logits_match_hugging_face_step_by_step(
-    model_name: str, math_max_keys: int, groups: list[int], monkeypatch: pytest.MonkeyPatch
+    model_name: str,
+    math_max_keys: int,
+    groups: list[int],
+    prompts: list[list[int]],
+    packed: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(fused, "MATH_ATTENTION_MAX_KEYS", math_max_keys)
+    packings = []
+    real_pack = fused._pack_prompts
+    monkeypatch.setattr(
+        fused, "_pack_prompts", lambda v: packings.append(real_pack(v)) or packings[-1]
+    )
     model = build_tiny_qwen2(15) if model_name == "qwen2" else tiny_llama()
-    prompts = [[1, 4, 13, 5, 14], [1, 7, 14], [1, 9, 9, 13, 3, 14]]  # ragged: left padding
     fan_out = torch.tensor(groups)
     width = max(map(len, prompts))
     ids = torch.zeros(3, width, dtype=torch.long)
@@ -48,6 +64,7 @@ def test_decoder_logits_match_hugging_face_step_by_step(
     for t, step_logits in enumerate(got):
         expected = logits[:, width - 1 + t]
         assert (step_logits - expected).abs().max() < 2e-5, t
+    assert (packings[0] is not None) == packed
 
 
 def test_sampler_uses_the_decoder_and_agrees_with_the_hugging_face_path(
