@@ -126,6 +126,16 @@ def set_threads() -> None:
     torch.set_num_threads(THREADS)
 
 
+# W2 `long-prompt` (shared/bench/WORKLOADS.md): 256-token rows of 64-token chunks, a chunked
+# head, a quarter of the batches all-long-prompt
+W2_SETTINGS = {
+    "seq_len": 256,
+    "sequence_chunks": 4,
+    "lmhead_chunks": 4,
+    "long_prompt_batch_fraction": 0.25,
+}
+
+
 def engine_config(task: str, **overrides: Any):
     """grpod's W1 settings (the EngineConfig defaults are W1), 2 threads."""
     from engine import EngineConfig

@@ -1,6 +1,6 @@
 """grpod against grpod: this checkout's engine vs another commit's, interleaved step by step.
 
-    .venv/bin/python bench/engine_ab.py --before 3948969 [--steps 30] [--task arith]
+    .venv/bin/python bench/engine_ab.py --before 3948969 [--steps 30] [--task arith | --w2]
 
 `git archive <commit> engine` is unpacked to a temporary directory and put first on the
 path of one worker (GRPOD_BENCH_ENGINE_ROOT); both workers run the same W1 settings in lock
@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import tempfile
 
-from common import ROOT, _grpod_worker, emit, run_lockstep, summarise
+from common import ROOT, W2_SETTINGS, _grpod_worker, emit, run_lockstep, summarise
 
 
 def main() -> None:
@@ -23,7 +23,11 @@ def main() -> None:
     parser.add_argument("--before", required=True, help="commit whose engine/ is the baseline")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--task", default="arith")
+    parser.add_argument(
+        "--w2", action="store_true", help="W2 long-prompt settings (kv-retrieval, 256 rows)"
+    )
     args = parser.parse_args()
+    task, overrides = ("kv-retrieval", W2_SETTINGS) if args.w2 else (args.task, {})
     with tempfile.TemporaryDirectory() as before_root:
         archive = subprocess.run(
             ["git", "-C", str(ROOT), "archive", args.before, "engine"],
@@ -35,10 +39,10 @@ def main() -> None:
             {
                 "before": (
                     _grpod_worker,
-                    (args.task, {}),
+                    (task, overrides),
                     {"GRPOD_BENCH_ENGINE_ROOT": before_root},
                 ),
-                "after": (_grpod_worker, (args.task, {}), {}),
+                "after": (_grpod_worker, (task, overrides), {}),
             },
             args.steps,
         )
@@ -51,7 +55,7 @@ def main() -> None:
     }
     emit(
         {
-            "workload": f"engine-ab-{args.task}",
+            "workload": "engine-ab-W2" if args.w2 else f"engine-ab-{task}",
             "before_commit": args.before,
             "steps": args.steps,
             "same_initial_weights": trace["before"]["weights"] == trace["after"]["weights"],
