@@ -8,16 +8,18 @@ layer, the mask builder, the rotary module per call, RMSNorm as five separate op
 
 - the embedding and every projection are the model's own modules, called as modules (so a
   wrapped or replaced projection still runs);
-- RMSNorm is `F.rms_norm`, which on FP32 inputs is the same arithmetic as the Hugging Face
-  formula (statistics in FP32, `weight * x * rsqrt(mean(x^2) + eps)`);
+- RMSNorm is `F.rms_norm`: the Hugging Face formula (statistics in FP32,
+  `weight * x * rsqrt(mean(x^2) + eps)`) as one kernel;
 - attention is the SDPA call the Hugging Face `sdpa` implementation makes, with K/V repeated
   for grouped-query heads the way it repeats them (`expand` + `reshape`).
 
-The result and every gradient are bit-identical to the Hugging Face forward in FP32
-(tests/engine/test_trunk.py holds them to it), so the choice never changes a step, a replay or
-a recorded number. `unsupported` says when a model must run through Hugging Face instead:
-anything `engine.fused.unsupported` rejects, another attention implementation, BF16,
-attention dropout while training.
+On the CPU the result and every gradient are bit-identical to the Hugging Face forward in
+FP32 (tests/engine/test_trunk.py holds them to it), so the choice changes no step, replay or
+recorded number there. On other devices the fused RMSNorm kernel may round differently from
+the five-op formula: equal up to FP32 rounding, and as deterministic as the Hugging Face
+path (replay runs this same code). `unsupported` says when a model must run through
+Hugging Face instead: anything `engine.fused.unsupported` rejects, another attention
+implementation, BF16, attention dropout while training.
 """
 
 from __future__ import annotations
