@@ -258,11 +258,13 @@ def run_interleaved(
     grpod_overrides: dict | None = None,
     stop: Callable[[dict], bool] | None = None,
     seed: int = 0,
+    idle_gap: float = 0.0,
 ) -> dict[str, dict]:
     """Run up to `steps` steps of grpod and TRL in lock step; returns per-side traces.
 
     `seed` is each side's run seed (grpod's sampler and prompt order, TRL's `seed`); the
-    model's initial weights stay those of torch seed 0 on both sides.
+    model's initial weights stay those of torch seed 0 on both sides. `idle_gap` seconds of
+    idle machine go before every step (bench/README.md: the ratio depends on the duty cycle).
 
     The order alternates every step (grpod first on even steps, TRL first on odd ones) so a
     slow spell on the shared machine hits both sides alike. `stop(trace)` ends the run early.
@@ -274,6 +276,7 @@ def run_interleaved(
         },
         steps,
         stop,
+        idle_gap,
     )
 
 
@@ -281,8 +284,10 @@ def run_lockstep(
     specs: dict[str, tuple[Callable, tuple, dict[str, str]]],
     steps: int,
     stop: Callable[[dict], bool] | None = None,
+    idle_gap: float = 0.0,
 ) -> dict[str, dict]:
-    """Two workers `{name: (target, args, extra environment)}` stepped alternately."""
+    """Two workers `{name: (target, args, extra environment)}` stepped alternately, with
+    `idle_gap` seconds of sleep before each step (not counted: each worker times itself)."""
     ctx = mp.get_context("spawn")
     sides = {}
     for name, (target, args, env) in specs.items():
@@ -304,6 +309,8 @@ def run_lockstep(
         order = names if k % 2 == 0 else names[::-1]
         for name in order:
             conn = sides[name]["conn"]
+            if idle_gap:
+                time.sleep(idle_gap)
             conn.send("go")
             kind, seconds, reward, tokens, phases = conn.recv()
             assert kind == "step", kind

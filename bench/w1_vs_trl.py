@@ -1,6 +1,6 @@
 """W1 `tiny-arith`: grpod's engine against TRL's GRPOTrainer, interleaved step by step.
 
-    .venv/bin/python bench/w1_vs_trl.py [--steps 40]
+    .venv/bin/python bench/w1_vs_trl.py [--steps 40] [--idle-gap 0.3]
 
 Prints one JSON line: per side median s/step over steps 3..N, completions/s, completion
 tokens/s, peak RSS, first/last 5-step mean reward; and the grpod / TRL ratios.
@@ -17,8 +17,14 @@ from common import TRL_CHANGED, emit, run_interleaved, summarise
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument(
+        "--idle-gap",
+        type=float,
+        default=0.0,
+        help="seconds of idle machine before every step (default 0: back to back)",
+    )
     args = parser.parse_args()
-    trace = run_interleaved("arith", args.steps)
+    trace = run_interleaved("arith", args.steps, idle_gap=args.idle_gap)
     sides = {name: summarise(t) for name, t in trace.items()}
     g, t = sides["grpod"], sides["trl"]
     phases = trace["grpod"]["phases"][2:]
@@ -26,6 +32,7 @@ def main() -> None:
         {
             "workload": "W1",
             "steps": args.steps,
+            "idle_gap_s": args.idle_gap,
             "same_initial_weights": trace["grpod"]["weights"] == trace["trl"]["weights"],
             "grpod": g,
             "trl": t,
