@@ -38,6 +38,9 @@ class EngineConfig(BaseModel):
     )
     # advantages
     scale_rewards: Literal["group", "batch", "none"] = "group"
+    advantage_std: Literal["population", "sample"] = Field(
+        "population", description="population (divide by n) or sample (n - 1, as TRL) std"
+    )
     # packing
     seq_len: int = Field(64, ge=2)
     pack: bool = True

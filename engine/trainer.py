@@ -113,7 +113,9 @@ class Engine:
             rewards = rewards.reshape(-1, cfg.group_size)[:, :1].expand(-1, cfg.group_size)
             rewards = rewards.reshape(-1).clone()
             injected.append("equal-rewards")
-        advantages, _ = group_advantages(rewards, cfg.group_size, cfg.scale_rewards)
+        advantages, _ = group_advantages(
+            rewards, cfg.group_size, cfg.scale_rewards, cfg.advantage_std
+        )
         if step in cfg.fault_loss_spike_steps:
             advantages = advantages * LOSS_SPIKE_SCALE
             injected.append("loss-spike")
