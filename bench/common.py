@@ -159,6 +159,12 @@ TRL_CHANGED = {
 }
 
 
+# grpod settings that match what TRL does and grpod's defaults do not
+GRPOD_MATCHES_TRL = {
+    "advantage_std": "sample",  # TRL divides by the n - 1 std (grpod's default: n)
+}
+
+
 def trl_config(max_steps: int, output_dir: str, seed: int = 0):
     from trl import GRPOConfig
 
@@ -271,7 +277,11 @@ def run_interleaved(
     """
     return run_lockstep(
         {
-            "grpod": (_grpod_worker, (task, {"seed": seed, **(grpod_overrides or {})}), {}),
+            "grpod": (
+                _grpod_worker,
+                (task, {**GRPOD_MATCHES_TRL, "seed": seed, **(grpod_overrides or {})}),
+                {},
+            ),
             "trl": (_trl_worker, (task, steps, seed), {}),
         },
         steps,

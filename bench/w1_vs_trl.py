@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from common import TRL_CHANGED, emit, run_interleaved, summarise
+from common import GRPOD_MATCHES_TRL, TRL_CHANGED, emit, run_interleaved, summarise
 
 
 def main() -> None:
@@ -45,6 +45,7 @@ def main() -> None:
             ),
             "ratio_peak_rss": round(g["peak_rss_mib"] / t["peak_rss_mib"], 2),
             "trl_changed": sorted(TRL_CHANGED),
+            "grpod_changed": GRPOD_MATCHES_TRL,
         }
     )
 

@@ -18,7 +18,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from common import OUT_DIR, TRL_CHANGED, emit, run_interleaved, summarise
+from common import GRPOD_MATCHES_TRL, OUT_DIR, TRL_CHANGED, emit, run_interleaved, summarise
 
 THRESHOLDS = (0.8, 0.9)
 WINDOW = 5
@@ -127,7 +127,14 @@ def main() -> None:
     if len(runs) > 1:
         record["seeds"] = runs
         record["median_over_seeds"] = median_over_seeds(runs, args.steps)
-    emit({**record, "png": str(args.png), "trl_changed": sorted(TRL_CHANGED)})
+    emit(
+        {
+            **record,
+            "png": str(args.png),
+            "trl_changed": sorted(TRL_CHANGED),
+            "grpod_changed": GRPOD_MATCHES_TRL,
+        }
+    )
 
 
 def median_over_seeds(runs: list[dict], steps: int) -> dict:
