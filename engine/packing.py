@@ -157,11 +157,15 @@ class TrunkLayout:
 @dataclass(frozen=True)
 class UnitScan:
     """The units of a stretch of rows (`units` None: it must run as laid out), the samples
-    it holds and how many of its rows hold any."""
+    it holds, and its `[rows, seq]` sample ids."""
 
     units: dict[tuple, list[list[int]]] | None
     samples: frozenset[int]
-    used_rows: int
+    sample_ids: torch.Tensor
+
+    def used_rows(self) -> int:
+        """Rows holding any sample (what a plain layout runs)."""
+        return int((self.sample_ids >= 0).any(-1).sum())
 
 
 def scan_units(
@@ -178,7 +182,6 @@ def scan_units(
     ids = input_ids.reshape(-1).tolist() if ids is None else ids
     pos = position_ids.reshape(-1).tolist() if pos is None else pos
     sid = sample_ids.reshape(-1)
-    used_rows = int((sample_ids >= 0).any(-1).sum())
     values, counts = torch.unique_consecutive(sid, return_counts=True)
     spans: dict[int, list[int]] = {}
     at = 0
@@ -191,12 +194,12 @@ def scan_units(
         at += n
     samples = frozenset(spans)
     if plain:
-        return UnitScan(None, samples, used_rows)
+        return UnitScan(None, samples, sample_ids)
     owner = sid.tolist()
     for p in loss_mask.reshape(-1).nonzero().squeeze(-1).tolist():
         span = spans.get(owner[p])
         if span is None:
-            return UnitScan(None, samples, used_rows)
+            return UnitScan(None, samples, sample_ids)
         if span[2] < 0:
             span[2] = p
         span[3] = p
@@ -205,10 +208,10 @@ def scan_units(
         if first < 0:
             continue  # nothing scored in this sample: it is not run at all
         if first == start:  # token p scored by p-1 outside the sample: keep the plain layout
-            return UnitScan(None, samples, used_rows)
+            return UnitScan(None, samples, sample_ids)
         key = (tuple(ids[start:first]), tuple(pos[start:first]))
         units.setdefault(key, []).append([start, first, last])
-    return UnitScan(units, samples, used_rows)
+    return UnitScan(units, samples, sample_ids)
 
 
 def joint_slots(scans: list[UnitScan], seq: int) -> int:
@@ -224,7 +227,7 @@ def joint_slots(scans: list[UnitScan], seq: int) -> int:
                 entry = merged.setdefault(key, [first - start, 0])
                 entry[1] += sum(last - m_first for _, m_first, last in members)
     if not merged:  # the plain layout: every used row as packed
-        return max(1, sum(scan.used_rows for scan in scans)) * seq
+        return max(1, sum(scan.used_rows() for scan in scans)) * seq
     lengths = [prompt + members for prompt, members in merged.values()]
     width, placed = _tightest_rows(lengths, max(seq, *lengths))
     return len(placed) * width
