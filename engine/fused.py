@@ -103,18 +103,17 @@ class _Fused:
     def qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotated q `[n, s, heads, hd]` and k, v `[n, s, kv, hd]` of `x: [n, s, H]`."""
         n, s, _ = x.shape
-        h = _rms_norm(x, layer.attn_norm)
+        h = rms_norm(x, layer.attn_norm)
         qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias).view(n, s, -1, self.head_dim)
         split = self.heads + self.kv_heads
         qk, v = qkv[:, :, :split], qkv[:, :, split:]
-        half = self.head_dim // 2
-        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        qk = rotate(qk, cos, sin)
         return qk[:, :, : self.heads], qk[:, :, self.heads :], v
 
     def finish(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP, residual (`attn: [n, s, heads * hd]`)."""
         x = x + F.linear(attn, layer.o_weight, layer.o_bias)
-        gate, up = F.linear(_rms_norm(x, layer.mlp_norm), layer.gate_up_weight).chunk(2, dim=-1)
+        gate, up = F.linear(rms_norm(x, layer.mlp_norm), layer.gate_up_weight).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, layer.down_weight)
 
     def attention(
@@ -209,7 +208,7 @@ class StaticDecoder:
             self.key_valid[:, :s] = valid if fan_out is None else valid[fan_out]
         self.length = s
         last = x[:, -1] if packing is None else x.reshape(-1, x.shape[-1])[packing.last]
-        logits = F.linear(_rms_norm(last, fused.norm), self.head)
+        logits = F.linear(rms_norm(last, fused.norm), self.head)
         return logits if fan_out is None else logits[fan_out]
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -225,7 +224,7 @@ class StaticDecoder:
             attn = fused.attention(q, k_cache[:, :, : t + 1], v_cache[:, :, : t + 1], mask)
             x = fused.finish(layer, x, attn)
         self.length = t + 1
-        return F.linear(_rms_norm(x[:, -1], fused.norm), self.head)
+        return F.linear(rms_norm(x[:, -1], fused.norm), self.head)
 
 
 @dataclass(frozen=True)
@@ -304,7 +303,13 @@ def _fused_layer(layer: torch.nn.Module) -> _Layer:
     )
 
 
-def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as Hugging Face applies it: `x * cos + rotate_half(x) * sin`."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
     """The Hugging Face RMSNorm: statistics in FP32, scaled in the input dtype."""
     weight, eps = norm
     if x.dtype == torch.float32:

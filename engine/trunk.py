@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.fused import rms_norm, rotate
 from engine.fused import unsupported as decoder_unsupported
 
 
@@ -71,7 +72,7 @@ def trunk_states(
         q = attn.q_proj(h).view(rows, width, heads, head_dim).transpose(1, 2)
         k = attn.k_proj(h).view(rows, width, kv_heads, head_dim).transpose(1, 2)
         v = attn.v_proj(h).view(rows, width, kv_heads, head_dim).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k, v = _repeat_kv(k, heads // kv_heads), _repeat_kv(v, heads // kv_heads)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=attn.scaling)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
@@ -81,12 +82,7 @@ def trunk_states(
 
 
 def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return rms_norm(x, (norm.weight, norm.variance_epsilon))
 
 
 def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
