@@ -26,6 +26,7 @@ from engine.batch import TransportBatch
 from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.config import EngineConfig
 from engine.errors import EngineError
+from engine.flat import flatten_parameters
 from engine.loss import LossSettings, policy_token_loss, token_logprobs
 from engine.model import compute_context, load_policy, resolve_device
 from engine.packing import Sample, TrunkLayout, joint_slots, pack, scan_units, trunk_layout
@@ -55,6 +56,8 @@ class Engine:
         self.device = resolve_device(config.device)
         self.model, self.tokenizer = load_policy(config.model, self.task.chars, config.seq_len)
         self.model.to(self.device)
+        # one storage for every parameter: the guards' weights check is then one reduction
+        self.flat_weights = flatten_parameters(self.model)
         self.reference = (
             copy.deepcopy(self.model).requires_grad_(False) if config.kl_beta > 0 else None
         )

@@ -99,17 +99,25 @@ class FiniteGuard(Guard):
                 )
         return findings
 
-    def check_weights(self, weights: Iterable[torch.Tensor]) -> list[Finding]:
-        """After an apply: HALT when any weight tensor holds a non-finite value."""
+    def check_weights(
+        self, weights: Iterable[torch.Tensor], cover: torch.Tensor | None = None
+    ) -> list[Finding]:
+        """After an apply: HALT when any weight tensor holds a non-finite value. `cover` is
+        one tensor over a storage that holds all of `weights` (an engine that keeps its
+        parameters in one buffer): then a healthy step costs one reduction, not one per
+        tensor."""
         tensors = list(weights)
         if not tensors:
             return []
-        # one fused norm per tensor and one sync; a non-finite value makes its norm non-finite
         with torch.no_grad():
-            norms = torch.stack(torch._foreach_norm(tensors))
-            if math.isfinite(float(norms.sum())):  # norms are >= 0: no cancellation
+            if cover is not None:  # a NaN or an infinity anywhere makes the sum non-finite
+                total = float(cover.sum())
+            else:  # one fused norm per tensor; norms are >= 0: no cancellation
+                total = float(torch.stack(torch._foreach_norm(tensors)).sum())
+            if math.isfinite(total):
                 return []
-            bad = int((~torch.isfinite(norms)).sum())
+            # the sum overflowed, or something is non-finite: count exactly, tensor by tensor
+            bad = sum(1 for t in tensors if not bool(torch.isfinite(t).all()))
         if not bad:
             return []
         return [

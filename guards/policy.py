@@ -52,6 +52,7 @@ class GuardPolicy:
         self.consecutive_flushes = 0
         self._model: Any = None  # the model whose parameter list `_weights` holds
         self._weights: list[torch.Tensor] = []
+        self._cover: torch.Tensor | None = None  # one tensor over `_weights`' shared storage
 
     # ----------------------------------------------------------------- the hooks
     def before(
@@ -124,10 +125,13 @@ class GuardPolicy:
             self.consecutive_flushes = 0
         return verdict
 
-    def check_weights(self, weights: list[torch.Tensor]) -> list[Finding]:
-        """After an apply: the finite guard's weights check, all-reduced over ranks."""
+    def check_weights(
+        self, weights: list[torch.Tensor], cover: torch.Tensor | None = None
+    ) -> list[Finding]:
+        """After an apply: the finite guard's weights check, all-reduced over ranks. `cover`:
+        one tensor over the storage that holds all of `weights` (see `weights_cover`)."""
         finite = self.guards["finite"]
-        found = finite.check_weights(weights) if finite.enabled else []  # type: ignore[attr-defined]
+        found = finite.check_weights(weights, cover) if finite.enabled else []  # type: ignore[attr-defined]
         local = max((f.action for f in found), default=Action.PASS)
         if self._all_reduce():
             reduced = Action(distributed.all_reduce_max(int(local)))
@@ -141,7 +145,23 @@ class GuardPolicy:
         """`model`'s parameters, listed once per model (not walked again every step)."""
         if model is not self._model:
             self._model, self._weights = model, list(model.parameters())
+            self._cover = shared_storage(self._weights)
         return self._weights
+
+    def weights_cover(self, model: torch.nn.Module) -> torch.Tensor | None:
+        """One 1-D tensor over the storage all of `model`'s parameters live in, when they share
+        one (the engine's `flatten_parameters`), else None. Checked against the first and last
+        parameter each call: a model whose parameters moved since (`.to()`, a reassigned
+        `.data`) gets a fresh look."""
+        weights = self.weights_of(model)
+        cover = self._cover
+        if cover is not None:
+            ptr = cover.untyped_storage().data_ptr()
+            if any(w.untyped_storage().data_ptr() != ptr for w in (weights[0], weights[-1])):
+                self._model = None  # walk the model again
+                self.weights_of(model)
+                cover = self._cover
+        return cover
 
     # ----------------------------------------------------------------- state
     @property
@@ -220,10 +240,27 @@ def guarded_step(engine, policy: GuardPolicy, batch: TransportBatch) -> tuple[St
         engine.apply()
         verdict.outcome = "applied"
         started = time.perf_counter()
-        found = policy.check_weights(policy.weights_of(engine.model))
+        model = engine.model
+        found = policy.check_weights(policy.weights_of(model), policy.weights_cover(model))
         if found:
             verdict.findings += found
             verdict.action = max(verdict.action, *(f.action for f in found))
         guard_seconds += time.perf_counter() - started
     report.phase_seconds["guards"] = guard_seconds
     return report, verdict
+
+
+def shared_storage(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """A 1-D tensor over the one storage that holds all of `params`, or None when they do not
+    share one storage of one dtype."""
+    if not params:
+        return None
+    first = params[0]
+    storage = first.untyped_storage()
+    ptr = storage.data_ptr()
+    if any(p.dtype != first.dtype or p.untyped_storage().data_ptr() != ptr for p in params):
+        return None
+    cover = torch.empty(0, dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        cover.set_(storage, 0, (storage.nbytes() // first.element_size(),))
+    return cover

@@ -6,6 +6,7 @@ import torch
 from guards import Action
 from guards.config import FiniteConfig
 from guards.finite import FiniteGuard
+from guards.policy import shared_storage
 from tests.guards.helpers import batch, report
 
 GUARD = FiniteGuard(FiniteConfig())
@@ -89,3 +90,21 @@ def test_the_fast_check_agrees_with_the_full_one_on_every_fault() -> None:
 def test_weights_whose_norms_overflow_in_sum_are_still_finite() -> None:
     big = [torch.tensor([3e38]), torch.tensor([3e38])]  # each norm finite, their sum is not
     assert GUARD.check_weights(big) == []
+
+
+def test_weights_check_over_one_shared_buffer() -> None:
+    buffer = torch.zeros(16)
+    weights = [buffer[0:3], buffer[8:12].view(2, 2)]  # padding between them, as the engine
+    cover = shared_storage(weights)
+    assert cover is not None and cover.numel() == 16
+    assert shared_storage([torch.zeros(3), torch.zeros(4)]) is None  # two allocations
+    assert GUARD.check_weights(weights, cover) == []
+    buffer[9] = math.nan
+    (finding,) = GUARD.check_weights(weights, cover)
+    assert finding.action is Action.HALT and finding.evidence["nonfinite_tensors"] == 1
+    buffer[9] = 0.0
+    buffer[0] = buffer[1] = 3e38  # every value finite, their sum is not
+    assert GUARD.check_weights(weights, cover) == []
+    buffer[0] = buffer[1] = 0.0
+    buffer[5] = math.inf  # in the storage, but in no weight: not a finding
+    assert GUARD.check_weights(weights, cover) == []

@@ -3,6 +3,7 @@ import math
 import warnings
 
 import pytest
+import torch
 
 from engine import Engine, EngineConfig
 from guards import Action, GuardPolicy, GuardsConfig, GuardsError, guarded_step
@@ -122,6 +123,21 @@ def test_non_finite_weights_after_an_apply_halt() -> None:
     assert (
         verdict.findings[-1].guard == "finite" and "weight tensors" in verdict.findings[-1].message
     )
+
+
+def test_the_weights_cover_follows_the_engines_parameters() -> None:
+    eng = engine()
+    policy = GuardPolicy()
+    cover = policy.weights_cover(eng.model)
+    flat = eng.flat_weights.untyped_storage().data_ptr()
+    assert cover is not None and cover.untyped_storage().data_ptr() == flat
+    for p in eng.model.parameters():  # moved out of the buffer: the cover must not go stale
+        p.data = p.data.clone()
+    assert policy.weights_cover(eng.model) is None
+    with torch.no_grad():
+        eng.model.lm_head.weight[0, 0] = math.inf
+    (finding,) = policy.check_weights(policy.weights_of(eng.model), None)
+    assert finding.action is Action.HALT and finding.evidence["nonfinite_tensors"] == 1
 
 
 def test_skip_fast_skips_the_compute_and_advances_the_cursor() -> None:

@@ -1,0 +1,41 @@
+"""One storage for all of a model's parameters, so that a whole-model reduction is one op.
+
+`flatten_parameters` moves every parameter into a slot of a single 1-D buffer and makes the
+parameter a view of its slot (`param.data = slot`): the Parameter objects, their names, ties
+and `requires_grad` stay as they were, so optimizers, state dicts and checkpoints see the same
+model. Each slot starts at a multiple of `ALIGN_BYTES` (a multiple of the CPU allocator's 64
+bytes and of CUDA's 512), so every kernel sees the alignment a separate allocation would give
+it and computes the same bits; the padding between slots is zeros that nothing writes.
+
+The guards' weights check finds the shared storage and reduces it in one op instead of one per
+parameter (on the CPU ~50 kernel launches of a few microseconds each, on a W1 step of ~55 ms).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALIGN_BYTES = 512
+
+
+def flatten_parameters(model: torch.nn.Module) -> torch.Tensor | None:
+    """Re-home `model`'s parameters in one buffer; returns it, or None (nothing changed) when
+    the parameters differ in dtype or device, or there are none."""
+    params = list(model.parameters())  # a tied parameter is listed once
+    if not params:
+        return None
+    dtype, device = params[0].dtype, params[0].device
+    if any(p.dtype != dtype or p.device != device for p in params):
+        return None
+    align = max(1, ALIGN_BYTES // params[0].element_size())
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += -(-p.numel() // align) * align
+    flat = torch.zeros(total, dtype=dtype, device=device)
+    with torch.no_grad():
+        for p, offset in zip(params, offsets):
+            slot = flat[offset : offset + p.numel()].view(p.shape)
+            slot.copy_(p)
+            p.data = slot
+    return flat
