@@ -52,6 +52,8 @@ def make_logger(
         _Printer(out, before_write),
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
+        # bound once, not on every call: the lazy proxy otherwise rebuilds it per event
+        cache_logger_on_first_use=True,
     )
 
 
