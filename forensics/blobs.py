@@ -1,10 +1,12 @@
-"""Content-addressed blobs: `<run_dir>/blobs/sha256/<hex>` safetensors files.
+"""Content-addressed blobs: safetensors files `<run_dir>/blobs/sha256/<hex>`, or the same bytes
+inline in the blob's store row (`stage(..., inline_max=N)`: blobs up to N bytes).
 
 The digest covers the canonical content (tensor names, dtypes, shapes and bytes in name
 order, then the metadata sorted by key), not the file bytes: safetensors does not keep
 metadata order stable. Files are written to a temp file, fsynced and renamed, so a blob
 path holds a complete file or nothing; every read verifies the digest. `stage` + `publish`
-split that write so that one directory fsync can cover a group of blobs.
+split that write so that one directory fsync can cover a group of blobs. An inline blob is
+staged in memory and needs no publish: its bytes commit in the same transaction as its row.
 """
 
 from __future__ import annotations
@@ -72,24 +74,33 @@ def _digest_and_chunks(
 ) -> tuple[str, list[tuple[str, torch.Tensor, memoryview | bytes]]]:
     """The canonical digest, and (name, CPU contiguous tensor, its bytes) in name order."""
     h = hashlib.sha256(b"grpod.blob/1\0")
+    update, pack = h.update, _LENGTH.pack
     chunks = []
     for name in sorted(tensors):
-        tensor = tensors[name].detach().contiguous().cpu()
-        _field(h, name.encode())
-        _field(h, str(tensor.dtype).encode())
-        _field(h, ",".join(map(str, tensor.shape)).encode())
-        data = (
-            memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
-            if tensor.numel()
-            else b""
-        )
-        _field(h, data)
+        tensor = tensors[name]
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        # each field length-prefixed: no two contents hash alike
+        key = name.encode()
+        dtype = str(tensor.dtype).encode()
+        shape = ",".join(map(str, tensor.shape)).encode()
+        data = memoryview(tensor.view(-1).view(torch.uint8).numpy()) if tensor.numel() else b""
+        update(pack(len(key)) + key + pack(len(dtype)) + dtype + pack(len(shape)) + shape)
+        update(pack(len(data)))
+        update(data)
         chunks.append((name, tensor, data))
-    h.update(b"metadata\0")
+    update(b"metadata\0")
     for key in sorted(metadata):
         _field(h, key.encode())
         _field(h, metadata[key].encode())
     return h.hexdigest(), chunks
+
+
+_LENGTH = struct.Struct("<Q")
 
 
 def _field(h: hashlib._Hash, data: bytes | memoryview) -> None:
@@ -99,15 +110,18 @@ def _field(h: hashlib._Hash, data: bytes | memoryview) -> None:
 
 @dataclass(frozen=True)
 class StagedBlob:
-    """A blob written to its temp file: complete, but neither durable nor in place yet."""
+    """A blob written to its temp file (complete, but neither durable nor in place yet), or,
+    when `data` is set, an inline blob held in memory for its row."""
 
     digest: str
-    size: int  # file bytes
-    temp: Path
+    size: int  # safetensors bytes
+    temp: Path | None
+    data: bytes | None = None
 
 
 class BlobStore:
-    """The blob files of one run directory. Rows live in the store; this class only does files."""
+    """The blobs of one run directory: their files, and the bytes of inline ones (which the
+    caller reads from the blob's row). Rows live in the store."""
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         self.run_dir = Path(run_dir)
@@ -126,21 +140,33 @@ class BlobStore:
         self.publish([staged])
         return staged.digest, staged.size
 
-    def stage(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> StagedBlob:
-        """Serialise a blob into its temp file (no fsync); `publish` puts it in place."""
+    def stage(
+        self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], inline_max: int = 0
+    ) -> StagedBlob:
+        """Serialise a blob into its temp file (no fsync; `publish` puts it in place), or into
+        memory when it is at most `inline_max` bytes (its row will hold it)."""
         digest, chunks = encode(tensors, metadata)
+        size = sum(len(c) for c in chunks)
+        if size <= inline_max:
+            return StagedBlob(digest, size, None, b"".join(chunks))
         if not self._root_made:
             self.root.mkdir(parents=True, exist_ok=True)
             self._root_made = True
         temp = self.root / f"{TEMP_PREFIX}{digest}-{os.getpid()}"
-        with open(temp, "wb") as fh:
-            fh.writelines(chunks)
-        return StagedBlob(digest, sum(len(c) for c in chunks), temp)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        try:
+            written = os.writev(fd, chunks)  # one syscall for the header and every tensor
+            rest = memoryview(b"".join(chunks))[written:] if written < size else b""
+            while rest:  # a short write (rare): the rest in order
+                rest = rest[os.write(fd, rest) :]
+        finally:
+            os.close(fd)
+        return StagedBlob(digest, size, temp)
 
     def publish(self, staged: list[StagedBlob]) -> None:
         """Make staged blobs durable and visible: fsync every temp file, rename each into
         place, then fsync the directory once. A digest staged twice is published once."""
-        unique = list({blob.digest: blob for blob in staged}.values())
+        unique = list({b.digest: b for b in staged if b.temp is not None}.values())
         for blob in unique:
             fd = os.open(blob.temp, os.O_RDONLY)
             try:
@@ -152,33 +178,40 @@ class BlobStore:
         if unique:
             fsync_dir(self.root)
 
-    def read(self, digest: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """`(tensors, metadata)` of a blob whose canonical digest is verified."""
+    def read(
+        self, digest: str, data: bytes | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """`(tensors, metadata)` of a blob whose canonical digest is verified: from its file,
+        or from `data`, the bytes its row holds inline."""
         path = self.path(digest)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise ForensicsError(f"blob {digest}: missing file {path}") from None
-        except OSError as exc:
-            raise ForensicsError(f"blob {digest}: unreadable file {path}: {exc}") from None
+        where = f"file {path}"
+        if data is not None:
+            where = "its store row"
+        else:
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                raise ForensicsError(f"blob {digest}: missing file {path}") from None
+            except OSError as exc:
+                raise ForensicsError(f"blob {digest}: unreadable file {path}: {exc}") from None
         try:
             tensors = load(data)
             metadata = _metadata(data)
         except Exception as exc:  # safetensors raises bare errors on damaged headers
             raise ForensicsError(
-                f"blob {digest}: digest check failed, file {path} is not valid safetensors "
+                f"blob {digest}: digest check failed, {where} is not valid safetensors "
                 f"({_first_line(exc)})"
             ) from None
         actual = canonical_digest(tensors, metadata)
         if actual != digest:
             raise ForensicsError(
-                f"blob {digest}: digest mismatch, file {path} holds content {actual[:16]}..."
+                f"blob {digest}: digest mismatch, {where} holds content {actual[:16]}..."
             )
         return tensors, metadata
 
-    def verify(self, digest: str) -> None:
-        """Raise ForensicsError unless the blob's file exists and its digest verifies."""
-        self.read(digest)
+    def verify(self, digest: str, data: bytes | None = None) -> None:
+        """Raise ForensicsError unless the blob (its file, or `data`) verifies."""
+        self.read(digest, data)
 
 
 def _metadata(data: bytes) -> dict[str, str]:

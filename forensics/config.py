@@ -34,6 +34,13 @@ class ForensicsConfig(BaseModel):
     commit_interval_seconds: float = Field(
         1.0, gt=0, description="the longest a recorded step waits for its group's commit"
     )
+    inline_blob_bytes: int = Field(
+        256 * 1024,
+        ge=0,
+        description="a batch blob of at most this many bytes is stored in its store row, "
+        "committed with the step (no file and no fsync of its own); larger ones, or all with "
+        "0, are files under blobs/sha256/",
+    )
     retention_bytes: int = Field(
         2 * 1024**3, ge=0, description="`grpod gc` size budget for blobs and checkpoints"
     )

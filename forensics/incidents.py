@@ -11,7 +11,7 @@ from typing import Any
 from engine import EngineError, TransportBatch
 from forensics.blobs import BlobStore
 from forensics.errors import ForensicsError
-from forensics.models import Checkpoint, Incident, Step
+from forensics.models import Blob, Checkpoint, Incident, Step
 from forensics.store import Store
 
 
@@ -59,14 +59,17 @@ def export_incident(
         raise ForensicsError(f"export {out}: already exists; choose a new directory")
     detail = show_incident(run_dir, incident_id, store_url)
     store = Store(run_dir, store_url, create=False)
+    digest = detail["batch_digest"]
     try:
         with store.session() as session:
             config = json.loads(store.run(session, detail["run_id"]).config_json)
+            blob = None if digest is None else session.get(Blob, digest)
+            data = None if blob is None else blob.data
     finally:
         store.close()
-    if detail["batch_digest"] is None:
+    if digest is None:
         raise ForensicsError(f"incident {incident_id}: its batch was never recorded")
-    tensors, metadata = BlobStore(store.run_dir).read(detail["batch_digest"])
+    tensors, metadata = BlobStore(store.run_dir).read(digest, data)
     try:
         batch = TransportBatch.from_tensors(tensors, metadata, source=detail["batch_digest"])
     except EngineError as exc:

@@ -16,6 +16,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
 )
@@ -43,9 +44,12 @@ class Blob(Base):
     __tablename__ = "blobs"
 
     sha256: Mapped[str] = mapped_column(String(64), primary_key=True)  # canonical content digest
-    size: Mapped[int] = mapped_column(BigInteger)  # file bytes
+    size: Mapped[int] = mapped_column(BigInteger)  # safetensors bytes (file or `data`)
     kind: Mapped[str] = mapped_column(String(32))  # "batch"
-    path: Mapped[str] = mapped_column(Text)  # relative to the run directory
+    path: Mapped[str] = mapped_column(Text)  # relative to the run directory; "" when inline
+    # the safetensors bytes of a small blob (`[forensics] inline_blob_bytes`), committed with
+    # its row instead of a file; loaded only when read
+    data: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True, deferred=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 

@@ -4,9 +4,11 @@
 trainer (and is counted in `blocked_total`), it never drops a step. The writer commits in
 groups (`commit_every_steps` steps, or `commit_interval_seconds` after the first of them),
 holding up to `queue_size` of a group's batches (and HOLD_BYTES) in memory, beyond which it
-stages them into temp files early. At the commit each batch blob is serialised into a temp
-file, every file is fsynced and renamed into place, the directory fsynced once, then one
-transaction adds the blob rows and the step rows. A step whose verdict is at or above
+stages them early. At the commit each batch blob is serialised: one of at most
+`inline_blob_bytes` into memory, for its row; a larger one into a temp file, and every such
+file is fsynced and renamed into place, the directory fsynced once. Then one transaction adds
+the blob rows (with the inline bytes) and the step rows: a group of small batches costs one
+fsync of the store, not one per batch. A step whose verdict is at or above
 `incident_action` commits its group at once, with its incident pinning the checkpoint before
 it; so do a noted checkpoint (the steps before it first), `drain()` and `close()`. A crash
 loses at most the uncommitted steps, all after the last noted checkpoint, which a resumed
@@ -108,6 +110,7 @@ class FlightRecorder:
         # uncommitted steps, oldest first: held in memory, or staged (writer thread only)
         self._group: list[_StepItem | _Staged] = []
         self._held = self._held_bytes = 0  # held (not yet staged) batches, their tensor bytes
+        self._inline_bytes = 0  # bytes of the group's staged inline blobs (in memory)
         self._group_deadline = 0.0  # time.monotonic() by which the group commits
         self._queue: queue.Queue = queue.Queue(maxsize=self.config.queue_size)
         self._thread = threading.Thread(target=self._write_loop, name="grpod-recorder", daemon=True)
@@ -279,7 +282,12 @@ class FlightRecorder:
 
     def _stage(self, item: _StepItem) -> _Staged:
         batch = item.batch
-        blob = self.blobs.stage(batch.tensors(), batch.metadata())
+        inline_max = self.config.inline_blob_bytes
+        if self._inline_bytes + inline_max > HOLD_BYTES:
+            inline_max = 0  # the group holds enough inline bytes in memory: a file
+        blob = self.blobs.stage(batch.tensors(), batch.metadata(), inline_max)
+        if blob.data is not None:
+            self._inline_bytes += blob.size
         report = item.report
         scalars = {name: _column_value(report[name]) for name in StepReport.SCALARS}
         row = dict(
@@ -316,7 +324,8 @@ class FlightRecorder:
                     sha256=digest,
                     size=blob.size,
                     kind="batch",
-                    path=self.blobs.relpath(digest),
+                    path="" if blob.data is not None else self.blobs.relpath(digest),
+                    data=blob.data,
                     created_at=now,
                 )
                 for digest, blob in blobs.items()
@@ -339,6 +348,7 @@ class FlightRecorder:
             if plain:
                 conn.execute(_STEP_INSERT, plain)
         self._group = []
+        self._inline_bytes = 0
         self.commits_total += 1
         self.recorded_total += len(group)
         self.incidents_total += opened

@@ -150,9 +150,10 @@ def _plan(
 
 
 def _load(session: Any, blobs: BlobStore, row: Step) -> _Planned:
-    if row.batch_digest is None or session.get(Blob, row.batch_digest) is None:
+    blob = None if row.batch_digest is None else session.get(Blob, row.batch_digest)
+    if blob is None:
         raise ForensicsError(f"step {row.step}: its batch blob was pruned or never recorded")
-    tensors, metadata = blobs.read(row.batch_digest)
+    tensors, metadata = blobs.read(row.batch_digest, blob.data)
     try:
         batch = TransportBatch.from_tensors(tensors, metadata, source=f"blob {row.batch_digest}")
     except EngineError as exc:

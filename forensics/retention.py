@@ -53,7 +53,8 @@ class GcReport:
 
 
 def fsck(run_dir: str | os.PathLike, store_url: str = "") -> FsckReport:
-    """Check every blob row's file (exists, size, digest) and every incident's pins."""
+    """Check every blob (its file or inline bytes: there, size, digest) and every incident's
+    pins."""
     store = Store(run_dir, store_url, create=False)
     blobs = BlobStore(store.run_dir)
     report = FsckReport()
@@ -63,6 +64,20 @@ def fsck(run_dir: str | os.PathLike, store_url: str = "") -> FsckReport:
             rows = {b.sha256: b for b in session.scalars(select(Blob).order_by(Blob.sha256))}
             for digest, row in rows.items():
                 report.blobs_checked += 1
+                if not row.path:  # inline: the row holds the bytes
+                    data = row.data
+                    if data is None:
+                        report.problems.append(f"blob {digest}: neither a file nor inline bytes")
+                    elif len(data) != row.size:
+                        report.problems.append(
+                            f"blob {digest}: its row holds {len(data)} bytes, says {row.size}"
+                        )
+                    else:
+                        try:
+                            blobs.verify(digest, data)
+                        except ForensicsError as exc:
+                            report.problems.append(str(exc))
+                    continue
                 path = store.run_dir / row.path
                 if not path.is_file():
                     report.problems.append(f"blob {digest}: missing file {path}")
@@ -127,7 +142,7 @@ def gc(
             other_runs = set(
                 session.scalars(select(Step.batch_digest).where(Step.run_id.not_in(runs)))
             )
-            sizes = {b.sha256: b.size for b in session.scalars(select(Blob))}
+            sizes = dict(session.execute(select(Blob.sha256, Blob.size)).tuples().all())
             ckpt_bytes = {c.id: _dir_bytes(store.checkpoint_path(c)) for c in retained}
 
             def keep(start: int) -> set[str | None]:

@@ -9,8 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, select, text
 
+from forensics import ForensicsConfig, Store
+from forensics.models import Blob
 from tests.forensics.campaign import Campaign, run_campaign
 
 PG_URL = os.environ.get("GRPOD_TEST_PG_URL", "")
@@ -53,9 +55,52 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Campaign:
     return run_campaign(run_dir, 13, checkpoint_every=5, fault_nan_loss_steps=[FAULT_STEP])
 
 
-@pytest.fixture
-def run_copy(recorded: Campaign, tmp_path: Path) -> Path:
-    """A private copy of the recorded run dir, for tests that damage it."""
+@pytest.fixture(scope="session")
+def recorded_files(tmp_path_factory: pytest.TempPathFactory) -> Campaign:
+    """The same campaign with every batch blob in a file (`inline_blob_bytes = 0`)."""
+    run_dir = tmp_path_factory.mktemp("recorded-files") / "run"
+    return run_campaign(
+        run_dir,
+        13,
+        checkpoint_every=5,
+        forensics=ForensicsConfig(inline_blob_bytes=0),
+        fault_nan_loss_steps=[FAULT_STEP],
+    )
+
+
+@pytest.fixture(params=["inline", "files"])
+def run_copy(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """A private copy of a recorded run dir, for tests that damage it: its blobs inline in
+    the store (the default for batches this small), or in files."""
+    campaign = request.getfixturevalue(
+        "recorded" if request.param == "inline" else "recorded_files"
+    )
     copy = tmp_path / "run"
-    shutil.copytree(recorded.run_dir, copy)
+    shutil.copytree(campaign.run_dir, copy)
     return copy
+
+
+def blob_rows(run_dir: Path) -> dict[str, str]:
+    """digest -> path ("" when inline) of every blob row."""
+    store = Store(run_dir, create=False)
+    with store.session() as session:
+        rows = dict(session.execute(select(Blob.sha256, Blob.path)).tuples().all())
+    store.close()
+    return rows
+
+
+def damage_blob(run_dir: Path, digest: str, offset: int = -1) -> None:
+    """Flip one byte of a stored blob, in its file or in its row."""
+    path = blob_rows(run_dir)[digest]
+    if path:
+        data = bytearray((run_dir / path).read_bytes())
+        data[offset] ^= 0x10
+        (run_dir / path).write_bytes(bytes(data))
+        return
+    store = Store(run_dir, create=False)
+    with store.session() as session:
+        blob = session.get(Blob, digest)
+        data = bytearray(blob.data)
+        data[offset] ^= 0x10
+        blob.data = bytes(data)
+    store.close()  # the last connection: SQLite folds the WAL into the file

@@ -10,8 +10,10 @@ from forensics import FlightRecorder, ForensicsConfig
 from tests.forensics.test_store import PASS, WARN, tiny_batch, tiny_report
 
 
-def main(run_dir: str) -> None:
-    config = ForensicsConfig(commit_every_steps=8, commit_interval_seconds=3600)
+def main(run_dir: str, inline_bytes: str) -> None:
+    config = ForensicsConfig(
+        commit_every_steps=8, commit_interval_seconds=3600, inline_blob_bytes=int(inline_bytes)
+    )
     recorder = FlightRecorder(Path(run_dir), config)
     recorder.start_run("r", {"engine": {}}, {}, "cpu")
     for step in range(5):
@@ -28,4 +30,4 @@ def main(run_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

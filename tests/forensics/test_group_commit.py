@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from sqlalchemy import func, select
 from forensics import BlobStore, FlightRecorder, ForensicsConfig, Store, canonical_digest, fsck
 from forensics import recorder as recorder_module
 from forensics.blobs import TEMP_PREFIX, encode
-from forensics.models import Checkpoint, Incident, Step
+from forensics.models import Blob, Checkpoint, Incident, Step
 from tests.forensics.test_store import PASS, WARN, tiny_batch, tiny_report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +44,9 @@ def stored(run_dir: Path) -> tuple[list[int], list[int], list[int]]:
 
 
 def test_steps_commit_in_groups_incidents_and_checkpoints_at_once(tmp_path: Path) -> None:
-    config = ForensicsConfig(commit_every_steps=4, commit_interval_seconds=3600, queue_size=16)
+    config = ForensicsConfig(
+        commit_every_steps=4, commit_interval_seconds=3600, queue_size=16, inline_blob_bytes=0
+    )
     recorder = FlightRecorder(tmp_path, config)
     recorder.start_run("r", {"engine": {}}, {}, "cpu")
 
@@ -99,10 +102,13 @@ def test_commit_every_step_is_one_commit_per_step(tmp_path: Path) -> None:
     assert recorder.commits_total == 3 and stored(tmp_path)[0] == [0, 1, 2]
 
 
-def test_sigkill_loses_only_unacknowledged_uncommitted_steps(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 20], ids=["files", "inline"])
+def test_sigkill_loses_only_unacknowledged_uncommitted_steps(
+    tmp_path: Path, inline_bytes: int
+) -> None:
     run_dir = tmp_path / "run"
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.forensics.group_writer", str(run_dir)],
+        [sys.executable, "-m", "tests.forensics.group_writer", str(run_dir), str(inline_bytes)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -122,10 +128,13 @@ def test_sigkill_loses_only_unacknowledged_uncommitted_steps(tmp_path: Path) -> 
     with store.session() as session:
         digests = list(session.scalars(select(Step.batch_digest)))
         assert session.scalar(select(func.count()).select_from(Step)) == 8
+        for digest in digests:  # complete and verified, in its file or its row
+            blob = session.get(Blob, digest)
+            assert (blob.path == "") == (blob.data is not None) == bool(inline_bytes)
+            blobs.verify(digest, blob.data)
     store.close()
-    for digest in digests:
-        blobs.verify(digest)
-    assert sorted(p.name for p in blobs.root.iterdir()) == sorted(set(digests))  # 8-9: memory
+    files = sorted(p.name for p in blobs.root.iterdir()) if blobs.root.is_dir() else []
+    assert files == ([] if inline_bytes else sorted(set(digests)))  # 8-9: memory only
     assert fsck(run_dir).ok and not fsck(run_dir).notes
 
 
@@ -177,3 +186,30 @@ def test_a_digest_staged_twice_is_published_once(tmp_path: Path) -> None:
     blobs.publish([first, second])
     assert [p.name for p in blobs.root.iterdir()] == [first.digest]
     blobs.verify(first.digest)
+
+
+def test_small_batches_commit_inline_and_large_ones_as_files(tmp_path: Path) -> None:
+    small, large = tiny_batch(0), tiny_batch(1)
+    large = replace(large, meta={**large.meta, "pad": "x" * 4096})  # past the threshold
+    size = {
+        s: len(b"".join(encode(b.tensors(), b.metadata())[1])) for s, b in ((0, small), (1, large))
+    }
+    assert size[0] < 4096 < size[1]
+    recorder = FlightRecorder(tmp_path, ForensicsConfig(inline_blob_bytes=4096))
+    recorder.start_run("r", {"engine": {}}, {}, "cpu")
+    recorder.record(small, tiny_report(0), PASS, "applied")
+    recorder.record(large, tiny_report(1), PASS, "applied")
+    recorder.close()
+    store, blobs = Store(tmp_path, create=False), BlobStore(tmp_path)
+    with store.session() as session:
+        rows = {r.step: session.get(Blob, r.batch_digest) for r in session.scalars(select(Step))}
+        assert rows[0].path == "" and len(rows[0].data) == rows[0].size == size[0]
+        assert rows[1].path == blobs.relpath(rows[1].sha256) and rows[1].data is None
+        assert rows[1].size == size[1] == blobs.path(rows[1].sha256).stat().st_size
+        for step, batch in ((0, small), (1, large)):
+            tensors, metadata = blobs.read(rows[step].sha256, rows[step].data)
+            assert metadata == batch.metadata()
+            assert all(torch.equal(tensors[n], t) for n, t in batch.tensors().items())
+    store.close()
+    assert [p.name for p in blobs.root.iterdir()] == [rows[1].sha256]  # no file for the small
+    assert fsck(tmp_path).ok and not fsck(tmp_path).notes

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select, update
 
-from forensics import ForensicsError, Store, list_incidents, replay
-from forensics.models import Step
+from engine import TransportBatch
+from forensics import BlobStore, ForensicsError, Store, list_incidents, replay
+from forensics.models import Blob, Step
 from forensics.replay import as_run, bit_equal
 from tests.forensics.campaign import Campaign, run_campaign
-from tests.forensics.conftest import FAULT_STEP
+from tests.forensics.conftest import FAULT_STEP, damage_blob
 
 GRPOD = str(Path(sys.executable).with_name("grpod"))
 
@@ -85,10 +86,7 @@ def test_flipped_blob_byte_is_refused_and_nothing_is_modified(run_copy: Path) ->
     with store.session() as session:
         digest = session.scalars(select(Step.batch_digest).where(Step.step == 6)).one()
     store.close()
-    blob = run_copy / "blobs" / "sha256" / digest
-    data = bytearray(blob.read_bytes())
-    data[-3] ^= 0x10
-    blob.write_bytes(bytes(data))
+    damage_blob(run_copy, digest, offset=-3)
     before = _digest_of(run_copy / "grpod.sqlite")
     with pytest.raises(ForensicsError, match=f"blob {digest}: digest mismatch"):
         replay(run_copy, incident_id=1)
@@ -111,15 +109,13 @@ def test_bad_input_is_one_clear_error(run_copy: Path) -> None:
 
 
 def test_as_run_accepts_the_batch_as_rolled_out_or_as_run(recorded: Campaign) -> None:
-    from forensics import BlobStore
-
     store = Store(recorded.run_dir, create=False)
     with store.session() as session:
         row = session.scalars(select(Step).where(Step.step == 3)).one()
+        blob = session.get(Blob, row.batch_digest)
+        tensors, metadata = BlobStore(recorded.run_dir).read(row.batch_digest, blob.data)
     store.close()
-    from engine import TransportBatch
-
-    as_recorded = TransportBatch.from_tensors(*BlobStore(recorded.run_dir).read(row.batch_digest))
+    as_recorded = TransportBatch.from_tensors(tensors, metadata)
     order = as_recorded.meta["micro_order"]
     assert order == [1, 0]  # the campaign reorders before running
     original = as_recorded.reorder([1, 0])  # back to the order it was rolled out in

@@ -11,11 +11,19 @@ from sqlalchemy import text
 from daemon.cli import main
 from engine import TransportBatch
 from forensics import ForensicsError, Store, fsck, gc, replay
-from tests.forensics.conftest import FAULT_STEP
+from tests.forensics.conftest import FAULT_STEP, blob_rows, damage_blob
 
 
 def blob_count(run_dir: Path) -> int:
-    return len(list((run_dir / "blobs" / "sha256").iterdir()))
+    """Blob rows; every file-backed one has its file, and no other file is there."""
+    rows = blob_rows(run_dir)
+    files = sorted(p for p in rows.values() if p)
+    folder = run_dir / "blobs" / "sha256"
+    on_disk = (
+        sorted(str(p.relative_to(run_dir)) for p in folder.iterdir()) if folder.is_dir() else []
+    )
+    assert on_disk == files
+    return len(rows)
 
 
 def test_gc_keeps_incident_pins_and_the_newest_checkpoint(run_copy: Path) -> None:
@@ -38,12 +46,10 @@ def test_gc_keeps_incident_pins_and_the_newest_checkpoint(run_copy: Path) -> Non
 
 
 def test_fsck_names_a_damaged_blob(run_copy: Path, capsys: pytest.CaptureFixture) -> None:
-    blob = sorted((run_copy / "blobs" / "sha256").iterdir())[0]
-    data = bytearray(blob.read_bytes())
-    data[-1] ^= 0xFF
-    blob.write_bytes(bytes(data))
+    digest = sorted(blob_rows(run_copy))[0]
+    damage_blob(run_copy, digest)
     report = fsck(run_copy)
-    assert [p.split(":")[0] for p in report.problems] == [f"blob {blob.name}"]
+    assert [p.split(":")[0] for p in report.problems] == [f"blob {digest}"]
     assert main(["fsck", "--run-dir", str(run_copy)]) == 1
     assert "digest mismatch" in capsys.readouterr().out
 
@@ -71,7 +77,7 @@ def test_incidents_commands(run_copy: Path, tmp_path: Path, capsys: pytest.Captu
 def test_db_upgrade_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     run_dir = tmp_path / "fresh"
     assert main(["db", "upgrade", "--run-dir", str(run_dir)]) == 0
-    assert "revision 0001" in capsys.readouterr().out
+    assert "revision 0002" in capsys.readouterr().out
     assert main(["gc", "--run-dir", str(run_dir), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["within_budget"] is True
     assert main(["fsck", "--run-dir", str(tmp_path / "missing")]) == 2

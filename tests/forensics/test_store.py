@@ -11,10 +11,10 @@ import pytest
 import torch
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 
 from engine import StepReport, TransportBatch
-from forensics import FlightRecorder, ForensicsConfig, ForensicsError, Store
+from forensics import BlobStore, FlightRecorder, ForensicsConfig, ForensicsError, Store
 from forensics.models import Base, Blob, Checkpoint, Incident, Run, Step
 from tests.reports import make_report
 
@@ -88,6 +88,51 @@ def test_upgrade_is_idempotent_and_matches_the_models(tmp_path: Path, store_url:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == [], f"migrations and models disagree: {diff}"
     store.close()
+
+
+def _migrate(store: Store, verb: str, revision: str) -> None:
+    from alembic import command
+
+    config, _ = store._alembic()
+    with store.engine.begin() as conn:
+        config.attributes["connection"] = conn
+        getattr(command, verb)(config, revision)
+
+
+def test_a_store_of_file_blobs_upgrades_and_inline_blobs_refuse_a_downgrade(
+    tmp_path: Path, store_url: str
+) -> None:
+    store = Store(tmp_path, store_url)
+    _migrate(store, "upgrade", "0001")  # a store written by the grpod before inline blobs
+    store.close()
+    with pytest.raises(ForensicsError, match="older than 0002"):  # this grpod needs 0002
+        FlightRecorder(tmp_path, ForensicsConfig(store_url=store_url), upgrade=False)
+    store = Store(tmp_path, store_url)  # a blob file and its row, as 0001 wrote them
+    digest, size = BlobStore(tmp_path).write(tiny_batch(5).tensors(), tiny_batch(5).metadata())
+    with store.engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO blobs (sha256, size, kind, path, created_at) "
+                "VALUES (:d, :s, 'batch', :p, CURRENT_TIMESTAMP)"
+            ),
+            {"d": digest, "s": size, "p": f"blobs/sha256/{digest}"},
+        )
+    assert store.upgrade() == "0002"
+    with store.session() as session:
+        blob = session.get(Blob, digest)
+        assert blob.data is None and blob.path == f"blobs/sha256/{digest}"
+        BlobStore(tmp_path).verify(digest, blob.data)  # still read from its file
+    store.close()
+
+    recorder = record_steps(tmp_path, store_url, [PASS])  # an inline blob now
+    store = Store(tmp_path, store_url, create=False)
+    with pytest.raises(Exception, match="stored inline; nothing changed"):
+        _migrate(store, "downgrade", "0001")
+    assert store.revision() == "0002"
+    with store.session() as session:
+        assert session.scalar(select(func.count()).where(Blob.data.is_not(None))) == 1
+    store.close()
+    assert recorder.recorded_total == 1
 
 
 def test_every_report_scalar_has_a_column() -> None:
