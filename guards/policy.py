@@ -129,7 +129,7 @@ class GuardPolicy:
         self, weights: list[torch.Tensor], cover: torch.Tensor | None = None
     ) -> list[Finding]:
         """After an apply: the finite guard's weights check, all-reduced over ranks. `cover`:
-        one tensor over the storage that holds all of `weights` (see `weights_cover`)."""
+        one tensor over the storage that holds all of `weights` (`weights_cover`)."""
         finite = self.guards["finite"]
         found = finite.check_weights(weights, cover) if finite.enabled else []  # type: ignore[attr-defined]
         local = max((f.action for f in found), default=Action.PASS)
@@ -142,26 +142,27 @@ class GuardPolicy:
         return found
 
     def weights_of(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        """`model`'s parameters, listed once per model (not walked again every step)."""
-        if model is not self._model:
+        """`model`'s parameters, listed once per model (not walked again every step), and
+        walked again when they moved out of the storage they shared (`.to()`, a reassigned
+        `.data`): `weights_cover` is then never stale."""
+        if model is not self._model or self._cover_moved():
             self._model, self._weights = model, list(model.parameters())
             self._cover = shared_storage(self._weights)
         return self._weights
 
-    def weights_cover(self, model: torch.nn.Module) -> torch.Tensor | None:
-        """One 1-D tensor over the storage all of `model`'s parameters live in, when they share
-        one (the engine's `flatten_parameters`), else None. Checked against the first and last
-        parameter each call: a model whose parameters moved since (`.to()`, a reassigned
-        `.data`) gets a fresh look."""
-        weights = self.weights_of(model)
-        cover = self._cover
-        if cover is not None:
-            ptr = cover.untyped_storage().data_ptr()
-            if any(w.untyped_storage().data_ptr() != ptr for w in (weights[0], weights[-1])):
-                self._model = None  # walk the model again
-                self.weights_of(model)
-                cover = self._cover
-        return cover
+    @property
+    def weights_cover(self) -> torch.Tensor | None:
+        """After `weights_of`: one 1-D tensor over the storage all of the model's parameters
+        live in (the engine's `flatten_parameters`), or None when they do not share one."""
+        return self._cover
+
+    def _cover_moved(self) -> bool:
+        if self._cover is None:
+            return False
+        ptr = self._cover.untyped_storage().data_ptr()
+        return any(
+            w.untyped_storage().data_ptr() != ptr for w in (self._weights[0], self._weights[-1])
+        )
 
     # ----------------------------------------------------------------- state
     @property
@@ -240,8 +241,7 @@ def guarded_step(engine, policy: GuardPolicy, batch: TransportBatch) -> tuple[St
         engine.apply()
         verdict.outcome = "applied"
         started = time.perf_counter()
-        model = engine.model
-        found = policy.check_weights(policy.weights_of(model), policy.weights_cover(model))
+        found = policy.check_weights(policy.weights_of(engine.model), policy.weights_cover)
         if found:
             verdict.findings += found
             verdict.action = max(verdict.action, *(f.action for f in found))

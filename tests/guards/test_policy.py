@@ -128,12 +128,15 @@ def test_non_finite_weights_after_an_apply_halt() -> None:
 def test_the_weights_cover_follows_the_engines_parameters() -> None:
     eng = engine()
     policy = GuardPolicy()
-    cover = policy.weights_cover(eng.model)
+    weights = policy.weights_of(eng.model)
+    cover = policy.weights_cover
     flat = eng.flat_weights.untyped_storage().data_ptr()
     assert cover is not None and cover.untyped_storage().data_ptr() == flat
     for p in eng.model.parameters():  # moved out of the buffer: the cover must not go stale
         p.data = p.data.clone()
-    assert policy.weights_cover(eng.model) is None
+    again = policy.weights_of(eng.model)  # walked again: the same Parameter objects
+    assert all(a is b for a, b in zip(again, weights, strict=True))
+    assert policy.weights_cover is None
     with torch.no_grad():
         eng.model.lm_head.weight[0, 0] = math.inf
     (finding,) = policy.check_weights(policy.weights_of(eng.model), None)
