@@ -67,7 +67,7 @@ def monitored_block(daemon: Daemon, steps: int) -> tuple[float, float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=16)  # 8 left the median +-1.5%
+    parser.add_argument("--rounds", type=int, default=16)  # more pairs: a steadier median
     group = ForensicsConfig().commit_every_steps
     parser.add_argument("--block", type=int, default=group, help="steps per block")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
