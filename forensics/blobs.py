@@ -74,33 +74,24 @@ def _digest_and_chunks(
 ) -> tuple[str, list[tuple[str, torch.Tensor, memoryview | bytes]]]:
     """The canonical digest, and (name, CPU contiguous tensor, its bytes) in name order."""
     h = hashlib.sha256(b"grpod.blob/1\0")
-    update, pack = h.update, _LENGTH.pack
     chunks = []
     for name in sorted(tensors):
-        tensor = tensors[name]
-        if tensor.requires_grad:
-            tensor = tensor.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
-        # each field length-prefixed: no two contents hash alike
-        key = name.encode()
-        dtype = str(tensor.dtype).encode()
-        shape = ",".join(map(str, tensor.shape)).encode()
-        data = memoryview(tensor.view(-1).view(torch.uint8).numpy()) if tensor.numel() else b""
-        update(pack(len(key)) + key + pack(len(dtype)) + dtype + pack(len(shape)) + shape)
-        update(pack(len(data)))
-        update(data)
+        tensor = tensors[name].detach().contiguous().cpu()
+        _field(h, name.encode())
+        _field(h, str(tensor.dtype).encode())
+        _field(h, ",".join(map(str, tensor.shape)).encode())
+        data = (
+            memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            if tensor.numel()
+            else b""
+        )
+        _field(h, data)
         chunks.append((name, tensor, data))
-    update(b"metadata\0")
+    h.update(b"metadata\0")
     for key in sorted(metadata):
         _field(h, key.encode())
         _field(h, metadata[key].encode())
     return h.hexdigest(), chunks
-
-
-_LENGTH = struct.Struct("<Q")
 
 
 def _field(h: hashlib._Hash, data: bytes | memoryview) -> None:

@@ -71,7 +71,7 @@ def export_incident(
         raise ForensicsError(f"incident {incident_id}: its batch was never recorded")
     tensors, metadata = BlobStore(store.run_dir).read(digest, data)
     try:
-        batch = TransportBatch.from_tensors(tensors, metadata, source=detail["batch_digest"])
+        batch = TransportBatch.from_tensors(tensors, metadata, source=digest)
     except EngineError as exc:
         raise ForensicsError(str(exc)) from None
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
