@@ -21,7 +21,11 @@ ALIGN_BYTES = 512
 def flatten_parameters(model: torch.nn.Module) -> torch.Tensor | None:
     """Re-home `model`'s parameters in one buffer; returns it, or None (nothing changed) when
     the parameters differ in dtype or device, or there are none."""
-    params = list(model.parameters())  # a tied parameter is listed once
+    # a tied parameter is listed once; matrices first, so that a layer's q/k/v (and gate/up)
+    # weights lie back to back, not split by their biases: the fused decoder then views them
+    # as one matrix (engine.fused.joined) instead of copying them for every rollout
+    params = list(model.parameters())
+    params = [p for p in params if p.dim() >= 2] + [p for p in params if p.dim() < 2]
     if not params:
         return None
     dtype, device = params[0].dtype, params[0].device

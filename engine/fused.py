@@ -117,10 +117,11 @@ class _Fused:
         return x + F.linear(F.silu(gate) * up, layer.down_weight)
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         """`q: [n, s, heads, hd]`, `k, v: [n, kv, L, hd]`, `mask: [n, 1, s, L]` bool (True =
-        attend); returns `[n, s, heads * hd]`. Every query row must see at least one key."""
+        attend; None: every key, a decode step without padding); returns `[n, s, heads * hd]`.
+        Every query row must see at least one key."""
         n, s = q.shape[:2]
         if s > 1 and k.shape[2] > MATH_ATTENTION_MAX_KEYS:  # a decode step is one query
             q = q.transpose(1, 2)
@@ -133,7 +134,8 @@ class _Fused:
         if self.rep > 1 and s > 1:
             mask = mask.repeat(1, 1, self.rep, 1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-        scores = scores.masked_fill(~mask, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         out = torch.matmul(scores.softmax(-1), v)  # [n, kv, rep * s, hd]
         out = out.view(n, self.kv_heads, self.rep, s, self.head_dim).permute(0, 3, 1, 2, 4)
         return out.reshape(n, s, -1)
@@ -151,10 +153,11 @@ class StaticDecoder:
         self.head = model.get_output_embeddings().weight
         weight = self.fused.embed
         cos, sin = self.fused.rotary(weight[:1], torch.arange(max_len, device=weight.device)[None])
-        self.cos, self.sin = cos[0], sin[0]  # [max_len, hd]
+        self.cos, self.sin = cos[0], signed(sin[0])  # [max_len, hd], the sine as `rotate` takes it
         self.shape = (rows, self.fused.kv_heads, max_len, self.fused.head_dim)
         self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # allocated by the prefill
         self.key_valid = torch.ones(rows, max_len, dtype=torch.bool, device=weight.device)
+        self.ragged = False  # some key is left padding: decode steps must mask it
         self.length = 0  # positions written so far (the same for every row)
 
     def prefill(
@@ -206,6 +209,7 @@ class StaticDecoder:
             self.cache.append((k_cache, v_cache))
         if valid is not None:
             self.key_valid[:, :s] = valid if fan_out is None else valid[fan_out]
+            self.ragged = True
         self.length = s
         last = x[:, -1] if packing is None else x.reshape(-1, x.shape[-1])[packing.last]
         logits = F.linear(rms_norm(last, fused.norm), self.head)
@@ -215,7 +219,7 @@ class StaticDecoder:
         """Append one token per row (`token, position: [rows]`); logits `[rows, V]` after it."""
         fused, t = self.fused, self.length
         cos, sin = self.cos[position][:, None, None], self.sin[position][:, None, None]
-        mask = self.key_valid[:, None, None, : t + 1]
+        mask = self.key_valid[:, None, None, : t + 1] if self.ragged else None
         x = F.embedding(token[:, None], fused.embed, fused.padding_idx)  # [rows, 1, H]
         for (k_cache, v_cache), layer in zip(self.cache, fused.layers):
             q, k, v = fused.qkv(layer, x, cos, sin)
@@ -290,7 +294,7 @@ def _fused_layer(layer: torch.nn.Module) -> _Layer:
         )
     return _Layer(
         attn_norm=(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-        qkv_weight=torch.cat([p.weight for p in projections]),
+        qkv_weight=joined([p.weight for p in projections]),
         qkv_bias=qkv_bias,
         o_weight=attn.o_proj.weight,
         o_bias=attn.o_proj.bias,
@@ -298,15 +302,44 @@ def _fused_layer(layer: torch.nn.Module) -> _Layer:
             layer.post_attention_layernorm.weight,
             layer.post_attention_layernorm.variance_epsilon,
         ),
-        gate_up_weight=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        gate_up_weight=joined([mlp.gate_proj.weight, mlp.up_proj.weight]),
         down_weight=mlp.down_proj.weight,
     )
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding as Hugging Face applies it: `x * cos + rotate_half(x) * sin`."""
+def joined(weights: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(weights)` (along dim 0), as a view when the weights already lie back to back
+    in one storage (engine/flat.py lays a layer's matrices out that way): a decoder built per
+    rollout then copies no weights. Call under `torch.no_grad`."""
+    first = weights[0]
+    rows, at = 0, first.data_ptr()
+    for w in weights:
+        if (
+            w.dtype != first.dtype
+            or w.shape[1:] != first.shape[1:]
+            or not w.is_contiguous()
+            or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or w.data_ptr() != at
+        ):
+            return torch.cat(weights)
+        rows += w.shape[0]
+        at += w.numel() * w.element_size()
+    shape = (rows, *first.shape[1:])
+    return first.as_strided(shape, torch.empty(shape, device="meta").stride())
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as Hugging Face applies it, `x * cos + rotate_half(x) * sin`, with
+    `signed_sin = signed(sin)`: `rotate_half(x) = cat(-x2, x1)` times `sin` is `cat(x2, x1)`
+    times `signed_sin`, bit for bit (a sign flip is exact), without a negation per call."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+
+
+def signed(sin: torch.Tensor) -> torch.Tensor:
+    """`sin` with its first half of the last dimension negated (`rotate`'s sine)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.fused import rms_norm, rotate
+from engine.fused import rms_norm, rotate, signed
 from engine.fused import unsupported as decoder_unsupported
 
 
@@ -65,7 +65,7 @@ def trunk_states(
     rows, width = input_ids.shape
     x = base.embed_tokens(input_ids)
     cos, sin = base.rotary_emb(x, position_ids)  # [rows, width, head_dim], as Hugging Face
-    cos, sin = cos[:, None], sin[:, None]
+    cos, sin = cos[:, None], signed(sin[:, None])
     for layer in base.layers:
         attn, mlp = layer.self_attn, layer.mlp
         h = _rms_norm(x, layer.input_layernorm)

@@ -123,3 +123,58 @@ def test_bf16_decoder_stays_within_bf16_rounding_of_hugging_face() -> None:
     rounding = (theirs - fp32).abs().max()
     assert rounding > 1e-3  # bf16 really ran
     assert (ours - theirs).abs().max() <= 2 * rounding
+
+
+def test_equal_length_prompts_decode_without_a_mask_and_match_hugging_face() -> None:
+    model = build_tiny_qwen2(15)
+    ids = torch.tensor([[1, 4, 13, 5, 14], [1, 9, 13, 3, 14]])
+    positions = torch.arange(5).expand(2, 5)
+    fan_out = torch.tensor([0, 0, 1, 1])
+    tokens = torch.tensor([[3, 4, 5, 6], [7, 2, 8, 9]])
+    with torch.no_grad():
+        decoder = StaticDecoder(model, 4, 7)
+        got = [decoder.prefill(ids, positions, None, fan_out)]
+        assert not decoder.ragged  # no left padding: decode steps attend to every key
+        for t in range(2):
+            got.append(decoder.step(tokens[t], torch.full((4,), 5 + t)))
+        full = torch.cat([ids[fan_out], tokens.T], 1)
+        logits = model(input_ids=full, position_ids=torch.arange(7).expand(4, 7)).logits
+    for t, step_logits in enumerate(got):
+        assert (step_logits - logits[:, 4 + t]).abs().max() < 2e-5, t
+
+
+def test_fused_weights_are_views_of_the_flat_buffer_and_copies_otherwise() -> None:
+    engine = Engine(config(task="arith"))
+    layer = engine.model.base_model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    with torch.no_grad():
+        decoder = StaticDecoder(engine.model, 4, 8)
+        fused_layer = decoder.fused.layers[0]
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        assert torch.equal(fused_layer.qkv_weight, qkv)
+        assert torch.equal(fused_layer.gate_up_weight, gate_up)
+        flat = engine.flat_weights.untyped_storage().data_ptr()
+        for fused_weight, first in (
+            (fused_layer.qkv_weight, attn.q_proj.weight),
+            (fused_layer.gate_up_weight, mlp.gate_proj.weight),
+        ):  # no copy per rollout: the matrices lie back to back in the buffer
+            assert fused_weight.untyped_storage().data_ptr() == flat
+            assert fused_weight.data_ptr() == first.data_ptr()
+    # a step of the optimizer is seen through the view
+    engine.accumulate(engine.rollout())
+    engine.apply()
+    with torch.no_grad():
+        assert not torch.equal(fused_layer.gate_up_weight, gate_up)
+        assert torch.equal(
+            fused_layer.gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        )
+        # weights that do not lie back to back are concatenated
+        apart = [attn.q_proj.weight.clone(), attn.k_proj.weight.clone()]
+        joined = fused.joined(apart)
+        assert torch.equal(joined, torch.cat(apart))
+        assert joined.data_ptr() not in (apart[0].data_ptr(), apart[1].data_ptr())
+        assert torch.equal(
+            fused.joined([mlp.up_proj.weight, mlp.gate_proj.weight]),
+            torch.cat([mlp.up_proj.weight, mlp.gate_proj.weight]),
+        )
