@@ -207,9 +207,9 @@ class StaticDecoder:
                 else:
                     cache[:, :, :s] = new if fan_out is None else new[fan_out]
             self.cache.append((k_cache, v_cache))
+        self.ragged = valid is not None
         if valid is not None:
             self.key_valid[:, :s] = valid if fan_out is None else valid[fan_out]
-            self.ragged = True
         self.length = s
         last = x[:, -1] if packing is None else x.reshape(-1, x.shape[-1])[packing.last]
         logits = F.linear(rms_norm(last, fused.norm), self.head)
