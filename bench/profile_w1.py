@@ -105,7 +105,7 @@ class PhaseClock:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
-        self._stack: list[list[Any]] = []  # [name, started, seconds of inner phases]
+        self._stack: list[list[float]] = []  # [started, seconds of inner phases]
 
     def wrap(self, owner: Any, attribute: str, name: str) -> None:
         """Time `owner.attribute` (a function, method or class attribute) as phase `name`;
@@ -116,15 +116,15 @@ class PhaseClock:
         clock = self
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            clock._stack.append([name, time.perf_counter(), 0.0])
+            clock._stack.append([time.perf_counter(), 0.0])
             try:
                 return function(*args, **kwargs)
             finally:
-                _, started, inner = clock._stack.pop()
+                started, inner = clock._stack.pop()
                 spent = time.perf_counter() - started
                 clock.seconds[name] = clock.seconds.get(name, 0.0) + spent - inner
                 if clock._stack:
-                    clock._stack[-1][2] += spent
+                    clock._stack[-1][1] += spent
 
         setattr(owner, attribute, timed)
 

@@ -324,8 +324,7 @@ def joined(weights: list[torch.Tensor]) -> torch.Tensor:
             return torch.cat(weights)
         rows += w.shape[0]
         at += w.numel() * w.element_size()
-    shape = (rows, *first.shape[1:])
-    return first.as_strided(shape, torch.empty(shape, device="meta").stride())
+    return first.as_strided((rows, *first.shape[1:]), first.stride())  # contiguous: same strides
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
