@@ -32,7 +32,7 @@ if os.environ.get("GRPOD_BENCH_ENGINE_ROOT"):  # profile another checkout's engi
 
 import torch  # noqa: E402
 
-from engine.tokenizer import ARITH_CHARS, BOS, EOS, PAD, SPECIALS  # noqa: E402
+from grpod.engine.tokenizer import ARITH_CHARS, BOS, EOS, PAD, SPECIALS  # noqa: E402
 
 THREADS = 2
 GROUP_SIZE = 8
@@ -45,7 +45,7 @@ OUT_DIR = ROOT / "bench" / "out"
 # ------------------------------------------------------------------ model, tokenizer, task
 def build_model(vocab_size: int = len(SPECIALS) + len(ARITH_CHARS), **overrides: Any):
     """The W1 Qwen2 (or W3 with `overrides`): random init under torch seed 0, FP32, tied."""
-    from engine.model import TINY_QWEN2, build_tiny_qwen2
+    from grpod.engine.model import TINY_QWEN2, build_tiny_qwen2
 
     if not overrides:
         return build_tiny_qwen2(vocab_size, 64, seed=0)
@@ -102,7 +102,7 @@ def build_hf_tokenizer(chars: str = ARITH_CHARS):
 
 def task_prompts(task: str) -> list[tuple[str, str]]:
     """`(prompt text, answer)` for the 512 W1 (`arith`) or W1c (`copy`) prompts."""
-    from engine.tasks import build_task
+    from grpod.engine.tasks import build_task
 
     return [(p.text, p.answer) for p in build_task(task).prompts]
 
@@ -114,7 +114,7 @@ def completion_reward(completion_ids: list[int], answer: str) -> float:
     and rewards 1.0 iff the text starts with the answer digit; this is that rule, so TRL is
     scored exactly as grpod is.
     """
-    from engine.tokenizer import CharTokenizer
+    from grpod.engine.tokenizer import CharTokenizer
 
     text = CharTokenizer(ARITH_CHARS).decode(list(completion_ids))
     return 1.0 if text[:1] == answer[:1] else 0.0
@@ -138,7 +138,7 @@ W2_SETTINGS = {
 
 def engine_config(task: str, **overrides: Any):
     """grpod's W1 settings (the EngineConfig defaults are W1), 2 threads."""
-    from engine import EngineConfig
+    from grpod.engine import EngineConfig
 
     return EngineConfig.model_validate({"task": task, "threads": THREADS, "lr": LR, **overrides})
 
@@ -174,7 +174,7 @@ def trl_config(max_steps: int, output_dir: str, seed: int = 0):
 
 def _grpod_worker(conn, task: str, overrides: dict) -> None:
     set_threads()
-    from engine import Engine
+    from grpod.engine import Engine
 
     engine = Engine(engine_config(task, **overrides))
     conn.send(("ready", weights_digest(engine.model)))

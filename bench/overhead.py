@@ -33,12 +33,12 @@ if str(ROOT) not in sys.path:  # run as `python bench/overhead.py` from the repo
 
 from common import emit  # noqa: E402
 
-from daemon import logs  # noqa: E402
-from daemon.config import DaemonConfig, GrpodConfig  # noqa: E402
-from daemon.loop import Daemon  # noqa: E402
-from daemon.rundir import Plan, RunDir  # noqa: E402
-from engine import Engine, EngineConfig  # noqa: E402
-from forensics import ForensicsConfig  # noqa: E402
+from grpod.daemon import logs  # noqa: E402
+from grpod.daemon.config import DaemonConfig, GrpodConfig  # noqa: E402
+from grpod.daemon.loop import Daemon  # noqa: E402
+from grpod.daemon.rundir import Plan, RunDir  # noqa: E402
+from grpod.engine import Engine, EngineConfig  # noqa: E402
+from grpod.forensics import ForensicsConfig  # noqa: E402
 
 W1 = EngineConfig(task="arith", threads=2)  # 16 prompts x 8 completions, 4 new tokens, lr 1e-3
 

@@ -39,8 +39,8 @@ def main() -> None:
     parser.add_argument("--task", default="arith")
     args = parser.parse_args()
     set_threads()
-    import engine as engine_package
-    from engine import Engine
+    import grpod.engine as engine_package
+    from grpod.engine import Engine
 
     engine = Engine(engine_config(args.task))
 
@@ -133,12 +133,12 @@ def phase_medians(engine: Any, step: Callable[[], None], steps: int) -> list[tup
     """Median own seconds per step of each phase of `step()`, largest first."""
     import torch
 
-    import engine.trainer as trainer
+    import grpod.engine.trainer as trainer
 
     clock = PhaseClock()
     backward = torch.Tensor.backward
     try:
-        import engine.fused as fused
+        import grpod.engine.fused as fused
 
         decoder = fused.StaticDecoder
         clock.wrap(decoder, "__init__", "rollout: decoder setup")

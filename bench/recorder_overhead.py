@@ -32,8 +32,8 @@ from safetensors.torch import save
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import Engine, EngineConfig
-from forensics import BlobStore, FlightRecorder, ForensicsConfig
+from grpod.engine import Engine, EngineConfig
+from grpod.forensics import BlobStore, FlightRecorder, ForensicsConfig
 
 PASS = {"action": "PASS", "findings": []}
 

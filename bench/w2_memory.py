@@ -40,7 +40,7 @@ def _w2_worker(conn, chunks: int, long_fraction: float, steps: int) -> None:
     set_threads()
     import torch
 
-    from engine import Engine
+    from grpod.engine import Engine
 
     cfg = engine_config(
         "kv-retrieval",
@@ -87,7 +87,7 @@ def _head_worker(conn, chunks: int, vocab: int, tokens: int, hidden: int) -> Non
     set_threads()
     import torch
 
-    from engine.loss import token_logprobs
+    from grpod.engine.loss import token_logprobs
 
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, hidden, generator=gen, requires_grad=True)

@@ -45,7 +45,7 @@ def matmul_flops_per_s(n: int = 1024, repeats: int = 5) -> float:
 
 def training_flops(engine, batch) -> tuple[float, int]:
     """FLOPs of one training pass over `batch` and the number of tokens the trunk ran."""
-    from engine.packing import trunk_layout
+    from grpod.engine.packing import trunk_layout
 
     cfg = engine.model.config
     hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
-    from engine import Engine
+    from grpod.engine import Engine
 
     with tempfile.TemporaryDirectory() as model_dir:
         build_model(**W3_MODEL).save_pretrained(model_dir)

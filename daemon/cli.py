@@ -17,7 +17,7 @@ EXIT_HALT = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from daemon.commands import COMMAND_MODULES
+    from grpod.daemon.commands import COMMAND_MODULES
 
     parser = argparse.ArgumentParser(prog="grpod", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `grpod` console script."""
-    from daemon.errors import BAD_INPUT_ERRORS
+    from grpod.daemon.errors import BAD_INPUT_ERRORS
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -13,10 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from daemon.errors import ConfigError
-from engine.config import EngineConfig
-from forensics.config import ForensicsConfig
-from guards import GuardsConfig
+from grpod.daemon.errors import ConfigError
+from grpod.engine.config import EngineConfig
+from grpod.forensics.config import ForensicsConfig
+from grpod.guards import GuardsConfig
 
 try:
     import tomllib

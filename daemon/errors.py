@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.errors import EngineError
+from grpod.engine.errors import EngineError
 
 
 class ConfigError(Exception):
@@ -12,13 +12,13 @@ class ConfigError(Exception):
 def _collect() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [EngineError, ConfigError]
     try:
-        from guards.errors import GuardsError
+        from grpod.guards.errors import GuardsError
 
         errors.append(GuardsError)
     except ImportError:
         pass
     try:
-        from forensics.errors import ForensicsError
+        from grpod.forensics.errors import ForensicsError
 
         errors.append(ForensicsError)
     except ImportError:

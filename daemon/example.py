@@ -36,7 +36,7 @@ SECTION_DOCS = {
 def example_toml(config: BaseModel | None = None) -> str:
     """The example text for `config` (the embedded default `GrpodConfig()` when None)."""
     if config is None:
-        from daemon.config import GrpodConfig
+        from grpod.daemon.config import GrpodConfig
 
         config = GrpodConfig()
     lines = [HEADER]

@@ -21,19 +21,19 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from sqlalchemy import func, select
 
-from daemon import logs
-from daemon.config import GrpodConfig, load_config
-from daemon.errors import ConfigError
-from daemon.health import Health, HealthServer
-from daemon.metrics import Metrics, mark_process_dead, serving_registry
-from daemon.notify import Notifier
-from daemon.progress import Progress, wanted
-from daemon.rundir import Plan, link_latest
-from daemon.signals import AbandonStep, Signals
-from engine import Engine
-from forensics.models import Step
-from forensics.recorder import FlightRecorder
-from guards import Action, GuardPolicy, guarded_step
+from grpod.daemon import logs
+from grpod.daemon.config import GrpodConfig, load_config
+from grpod.daemon.errors import ConfigError
+from grpod.daemon.health import Health, HealthServer
+from grpod.daemon.metrics import Metrics, mark_process_dead, serving_registry
+from grpod.daemon.notify import Notifier
+from grpod.daemon.progress import Progress, wanted
+from grpod.daemon.rundir import Plan, link_latest
+from grpod.daemon.signals import AbandonStep, Signals
+from grpod.engine import Engine
+from grpod.forensics.models import Step
+from grpod.forensics.recorder import FlightRecorder
+from grpod.guards import Action, GuardPolicy, guarded_step
 
 EXIT_OK, EXIT_FAILURE, EXIT_HALT = 0, 1, 3
 STATUS_INTERVAL_SECONDS = 1.0  # status.json and STATUS= at most this often while running

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from daemon.config import DEFAULT_ROOT, GrpodConfig, load_config, validate
-from daemon.errors import ConfigError
-from daemon.example import dump_toml
-from engine.checkpoint import fsync_dir
+from grpod.daemon.config import DEFAULT_ROOT, GrpodConfig, load_config, validate
+from grpod.daemon.errors import ConfigError
+from grpod.daemon.example import dump_toml
+from grpod.engine.checkpoint import fsync_dir
 
 CONFIG_NAME = "config.toml"
 RUN_NAME = "run.json"

@@ -1,20 +1,20 @@
 """The GRPO engine. Knows nothing of guards, metrics or stores.
 
-Public names are imported on first use (engine/lazy.py): `engine.config` and
+Public names are imported on first use (grpod/lazy.py): `engine.config` and
 `engine.errors` load without torch.
 """
 
-from engine.lazy import lazy_exports
+from grpod.lazy import lazy_exports
 
 __all__ = ["ChunkTrace", "Engine", "EngineConfig", "EngineError", "StepReport", "TransportBatch"]
 __getattr__ = lazy_exports(
     __name__,
     {
-        "ChunkTrace": "engine.report",
-        "Engine": "engine.trainer",
-        "EngineConfig": "engine.config",
-        "EngineError": "engine.errors",
-        "StepReport": "engine.report",
-        "TransportBatch": "engine.batch",
+        "ChunkTrace": "grpod.engine.report",
+        "Engine": "grpod.engine.trainer",
+        "EngineConfig": "grpod.engine.config",
+        "EngineError": "grpod.engine.errors",
+        "StepReport": "grpod.engine.report",
+        "TransportBatch": "grpod.engine.batch",
     },
 )

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from engine.errors import EngineError
+from grpod.engine.errors import EngineError
 
 TOKEN_FIELDS: dict[str, torch.dtype] = {
     "input_ids": torch.int64,

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.batch import TransportBatch
-from engine.errors import EngineError
+from grpod.engine.batch import TransportBatch
+from grpod.engine.errors import EngineError
 
 if TYPE_CHECKING:
-    from engine.trainer import Engine
+    from grpod.engine.trainer import Engine
 
 FORMAT = "grpod.checkpoint/1"
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.packing import causal_and_eye, first_fit_decreasing
+from grpod.engine.packing import causal_and_eye, first_fit_decreasing
 
 ARCHITECTURES = frozenset({"qwen2", "llama"})
 MATH_ATTENTION_MAX_KEYS = 64  # prefill: above this the s x s scores cost more than SDPA

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import EngineError
-from engine.tokenizer import CharTokenizer, HFTokenizerAdapter
+from grpod.engine.errors import EngineError
+from grpod.engine.tokenizer import CharTokenizer, HFTokenizerAdapter
 
 TINY_QWEN2 = dict(  # the W1 model (shared/bench/WORKLOADS.md)
     hidden_size=128,

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import TransportBatch
-from engine.errors import EngineError
+from grpod.engine.batch import TransportBatch
+from grpod.engine.errors import EngineError
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from typing import Literal
 
 import torch
 
-from engine.fused import StaticDecoder, unsupported
-from engine.model import compute_context
+from grpod.engine.fused import StaticDecoder, unsupported
+from grpod.engine.model import compute_context
 
 
 @dataclass

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import EngineError
-from engine.rollout import Rollout
+from grpod.engine.config import EngineConfig
+from grpod.engine.errors import EngineError
+from grpod.engine.rollout import Rollout
 
 
 class VLLMSampler:

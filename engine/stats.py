@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.advantages import group_advantages
-from engine.batch import TransportBatch
-from engine.report import ChunkTrace, StepReport
+from grpod.engine.advantages import group_advantages
+from grpod.engine.batch import TransportBatch
+from grpod.engine.report import ChunkTrace, StepReport
 
 
 class StepStats:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import EngineError
+from grpod.engine.errors import EngineError
 
 RewardFn = Callable[[str, str, str], float]
 

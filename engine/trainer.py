@@ -20,22 +20,22 @@ from typing import Any
 
 import torch
 
-from engine.accounting import ValidTokenCounter
-from engine.advantages import group_advantages
-from engine.batch import TransportBatch
-from engine.checkpoint import load_checkpoint, save_checkpoint
-from engine.config import EngineConfig
-from engine.errors import EngineError
-from engine.flat import flatten_parameters
-from engine.loss import LossSettings, policy_token_loss, token_logprobs
-from engine.model import compute_context, load_policy, resolve_device
-from engine.packing import Sample, TrunkLayout, joint_slots, pack, scan_units, trunk_layout
-from engine.report import StepReport
-from engine.rollout import Rollout, sample
-from engine.stats import StepStats
-from engine.tasks import build_task
-from engine.trunk import trunk_states
-from engine.trunk import unsupported as trunk_unsupported
+from grpod.engine.accounting import ValidTokenCounter
+from grpod.engine.advantages import group_advantages
+from grpod.engine.batch import TransportBatch
+from grpod.engine.checkpoint import load_checkpoint, save_checkpoint
+from grpod.engine.config import EngineConfig
+from grpod.engine.errors import EngineError
+from grpod.engine.flat import flatten_parameters
+from grpod.engine.loss import LossSettings, policy_token_loss, token_logprobs
+from grpod.engine.model import compute_context, load_policy, resolve_device
+from grpod.engine.packing import Sample, TrunkLayout, joint_slots, pack, scan_units, trunk_layout
+from grpod.engine.report import StepReport
+from grpod.engine.rollout import Rollout, sample
+from grpod.engine.stats import StepStats
+from grpod.engine.tasks import build_task
+from grpod.engine.trunk import trunk_states
+from grpod.engine.trunk import unsupported as trunk_unsupported
 
 SENTINEL_LOGPROB = -9999.0
 LOSS_SPIKE_SCALE = 1000.0
@@ -415,7 +415,7 @@ class Engine:
         )
         if cfg.rollout_backend == "vllm":
             if self.vllm is None:
-                from engine.rollout_vllm import VLLMSampler
+                from grpod.engine.rollout_vllm import VLLMSampler
 
                 self.vllm = VLLMSampler(self.model, cfg)
             self.vllm.sync(self.model)

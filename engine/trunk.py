@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.fused import rms_norm, rotate, signed
-from engine.fused import unsupported as decoder_unsupported
+from grpod.engine.fused import rms_norm, rotate, signed
+from grpod.engine.fused import unsupported as decoder_unsupported
 
 
 def unsupported(model: torch.nn.Module, dtype: str) -> str | None:

@@ -2,10 +2,10 @@
 
 Depends on engine types only; nothing here imports daemon or guards.
 
-Public names are imported on first use (engine/lazy.py), so a light submodule loads alone.
+Public names are imported on first use (grpod/lazy.py), so a light submodule loads alone.
 """
 
-from engine.lazy import lazy_exports
+from grpod.lazy import lazy_exports
 
 __all__ = [
     "BlobStore",
@@ -27,20 +27,20 @@ __all__ = [
 __getattr__ = lazy_exports(
     __name__,
     {
-        "BlobStore": "forensics.blobs",
-        "FlightRecorder": "forensics.recorder",
-        "ForensicsConfig": "forensics.config",
-        "ForensicsError": "forensics.errors",
-        "FsckReport": "forensics.retention",
-        "GcReport": "forensics.retention",
-        "ReplayResult": "forensics.replay",
-        "Store": "forensics.store",
-        "canonical_digest": "forensics.blobs",
-        "export_incident": "forensics.incidents",
-        "fsck": "forensics.retention",
-        "gc": "forensics.retention",
-        "list_incidents": "forensics.incidents",
-        "replay": "forensics.replay",
-        "show_incident": "forensics.incidents",
+        "BlobStore": "grpod.forensics.blobs",
+        "FlightRecorder": "grpod.forensics.recorder",
+        "ForensicsConfig": "grpod.forensics.config",
+        "ForensicsError": "grpod.forensics.errors",
+        "FsckReport": "grpod.forensics.retention",
+        "GcReport": "grpod.forensics.retention",
+        "ReplayResult": "grpod.forensics.replay",
+        "Store": "grpod.forensics.store",
+        "canonical_digest": "grpod.forensics.blobs",
+        "export_incident": "grpod.forensics.incidents",
+        "fsck": "grpod.forensics.retention",
+        "gc": "grpod.forensics.retention",
+        "list_incidents": "grpod.forensics.incidents",
+        "replay": "grpod.forensics.replay",
+        "show_incident": "grpod.forensics.incidents",
     },
 )

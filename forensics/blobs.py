@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save
 
-from engine.checkpoint import fsync_dir
-from forensics.errors import ForensicsError
+from grpod.engine.checkpoint import fsync_dir
+from grpod.forensics.errors import ForensicsError
 
 BLOB_DIR = Path("blobs") / "sha256"
 TEMP_PREFIX = ".tmp-"

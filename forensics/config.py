@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from forensics.errors import ForensicsError
+from grpod.forensics.errors import ForensicsError
 
 ACTIONS = ("PASS", "WARN", "FLUSH", "HALT")  # the guards' Action order, by name
 

@@ -8,11 +8,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from engine import EngineError, TransportBatch
-from forensics.blobs import BlobStore
-from forensics.errors import ForensicsError
-from forensics.models import Blob, Checkpoint, Incident, Step
-from forensics.store import Store
+from grpod.engine import EngineError, TransportBatch
+from grpod.forensics.blobs import BlobStore
+from grpod.forensics.errors import ForensicsError
+from grpod.forensics.models import Blob, Checkpoint, Incident, Step
+from grpod.forensics.store import Store
 
 
 def list_incidents(run_dir: str | os.PathLike, store_url: str = "") -> list[dict[str, Any]]:

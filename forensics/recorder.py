@@ -34,12 +34,12 @@ from typing import Any
 
 from sqlalchemy import insert, select
 
-from engine import StepReport, TransportBatch
-from forensics.blobs import BlobStore, StagedBlob
-from forensics.config import ACTIONS, ForensicsConfig, action_rank
-from forensics.errors import ForensicsError
-from forensics.models import Blob, Checkpoint, Incident, Run, Step
-from forensics.store import Store
+from grpod.engine import StepReport, TransportBatch
+from grpod.forensics.blobs import BlobStore, StagedBlob
+from grpod.forensics.config import ACTIONS, ForensicsConfig, action_rank
+from grpod.forensics.errors import ForensicsError
+from grpod.forensics.models import Blob, Checkpoint, Incident, Run, Step
+from grpod.forensics.store import Store
 
 OUTCOMES = ("applied", "flushed", "skipped")
 WRITER_NICE = 10  # the writer thread's niceness (a lower priority than the trainer's)

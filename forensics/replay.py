@@ -21,11 +21,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine import Engine, EngineConfig, EngineError, StepReport, TransportBatch
-from forensics.blobs import BlobStore
-from forensics.errors import ForensicsError
-from forensics.models import Blob, Checkpoint, Step
-from forensics.store import Store
+from grpod.engine import Engine, EngineConfig, EngineError, StepReport, TransportBatch
+from grpod.forensics.blobs import BlobStore
+from grpod.forensics.errors import ForensicsError
+from grpod.forensics.models import Blob, Checkpoint, Step
+from grpod.forensics.store import Store
 
 COMPARED = ("valid_tokens", "loss", "grad_norm")
 Progress = Callable[[int, int, int], None]  # (done, total, step)

@@ -18,10 +18,10 @@ from typing import Any
 
 from sqlalchemy import delete, select
 
-from forensics.blobs import TEMP_PREFIX, BlobStore
-from forensics.errors import ForensicsError
-from forensics.models import Blob, Checkpoint, Incident, Step
-from forensics.store import Store
+from grpod.forensics.blobs import TEMP_PREFIX, BlobStore
+from grpod.forensics.errors import ForensicsError
+from grpod.forensics.models import Blob, Checkpoint, Incident, Step
+from grpod.forensics.store import Store
 
 
 @dataclass

@@ -17,9 +17,9 @@ from sqlalchemy import Engine, create_engine, event, inspect, make_url, select, 
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from forensics.config import run_dir_config
-from forensics.errors import ForensicsError
-from forensics.models import Checkpoint, Incident, Run, Step
+from grpod.forensics.config import run_dir_config
+from grpod.forensics.errors import ForensicsError
+from grpod.forensics.models import Checkpoint, Incident, Run, Step
 
 SQLITE_NAME = "grpod.sqlite"
 ALEMBIC_INI = Path(__file__).with_name("alembic.ini")

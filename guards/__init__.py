@@ -4,10 +4,10 @@ Guards read only `TransportBatch` and `StepReport` (engine types); `GuardPolicy`
 findings into one `Verdict`; `guarded_step` applies or flushes; `run_drill` injects a known
 fault into the real engine and checks that it is intercepted.
 
-Public names are imported on first use (engine/lazy.py), so a light submodule loads alone.
+Public names are imported on first use (grpod/lazy.py), so a light submodule loads alone.
 """
 
-from engine.lazy import lazy_exports
+from grpod.lazy import lazy_exports
 
 __all__ = [
     "DRILLS",
@@ -23,14 +23,14 @@ __all__ = [
 __getattr__ = lazy_exports(
     __name__,
     {
-        "Action": "guards.verdict",
-        "DRILLS": "guards.drills",
-        "Finding": "guards.verdict",
-        "GuardPolicy": "guards.policy",
-        "GuardsConfig": "guards.config",
-        "GuardsError": "guards.errors",
-        "Verdict": "guards.verdict",
-        "guarded_step": "guards.policy",
-        "run_drill": "guards.drills",
+        "Action": "grpod.guards.verdict",
+        "DRILLS": "grpod.guards.drills",
+        "Finding": "grpod.guards.verdict",
+        "GuardPolicy": "grpod.guards.policy",
+        "GuardsConfig": "grpod.guards.config",
+        "GuardsError": "grpod.guards.errors",
+        "Verdict": "grpod.guards.verdict",
+        "guarded_step": "grpod.guards.policy",
+        "run_drill": "grpod.guards.drills",
     },
 )

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine import StepReport, TransportBatch
-from guards.base import Guard
-from guards.verdict import Finding
+from grpod.engine import StepReport, TransportBatch
+from grpod.guards.base import Guard
+from grpod.guards.verdict import Finding
 
 
 class AccountingGuard(Guard):

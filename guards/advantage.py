@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine import StepReport, TransportBatch
-from guards.base import Guard
-from guards.verdict import Action, Finding
+from grpod.engine import StepReport, TransportBatch
+from grpod.guards.base import Guard
+from grpod.guards.verdict import Action, Finding
 
 
 class AdvantageGuard(Guard):

@@ -14,9 +14,9 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from engine import StepReport, TransportBatch
-from guards.errors import GuardsError
-from guards.verdict import Action, Finding
+from grpod.engine import StepReport, TransportBatch
+from grpod.guards.errors import GuardsError
+from grpod.guards.verdict import Action, Finding
 
 
 class Guard:

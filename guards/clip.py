@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from engine import StepReport, TransportBatch
-from guards.base import Guard, is_finite
-from guards.errors import GuardsError
-from guards.verdict import Finding
+from grpod.engine import StepReport, TransportBatch
+from grpod.guards.base import Guard, is_finite
+from grpod.guards.errors import GuardsError
+from grpod.guards.verdict import Finding
 
 
 class ClipGuard(Guard):

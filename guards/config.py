@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from guards.errors import GuardsError
-from guards.verdict import ActionName
+from grpod.guards.errors import GuardsError
+from grpod.guards.verdict import ActionName
 
 
 class _Section(BaseModel):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine import StepReport, TransportBatch
-from guards.base import Guard, Window, load_floats, pearson
-from guards.verdict import Finding
+from grpod.engine import StepReport, TransportBatch
+from grpod.guards.base import Guard, Window, load_floats, pearson
+from grpod.guards.verdict import Finding
 
 
 class GradNormVTCCorrelationGuard(Guard):

@@ -22,9 +22,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from guards.config import GuardsConfig, as_config
-from guards.errors import GuardsError
-from guards.verdict import Action, Verdict
+from grpod.guards.config import GuardsConfig, as_config
+from grpod.guards.errors import GuardsError
+from grpod.guards.verdict import Action, Verdict
 
 W1_SMALL = dict(task="arith", prompts_per_step=4, group_size=4)
 # W1c with one completion token (its reward reads only the first token), which is cheaper;
@@ -92,7 +92,7 @@ def run_drill(
     policy_untouched, ok, outcomes, clean_warnings, skip_fast_total, repaired,
     gradnorm_vtc_correlation, seconds, findings (per-step records of steps with findings).
     """
-    from engine import EngineConfig  # engine types only
+    from grpod.engine import EngineConfig  # engine types only
 
     if name not in DRILLS:
         raise GuardsError(f"drill {name!r}: unknown; expected one of {sorted(DRILLS)}")
@@ -131,8 +131,8 @@ class _Tally:
         self.records: list[dict[str, Any]] = []
 
     def phase(self, label: str, engine_config, steps: int, injected: set[int]) -> None:
-        from engine import Engine
-        from guards.policy import GuardPolicy, guarded_step  # torch: not for listing DRILLS
+        from grpod.engine import Engine
+        from grpod.guards.policy import GuardPolicy, guarded_step  # torch: not for listing DRILLS
 
         with warnings.catch_warnings():  # the engine warns loudly that faults are on: we know
             warnings.filterwarnings("ignore", message=".*FAULT INJECTION IS ON")

@@ -7,9 +7,9 @@ from collections.abc import Iterable
 
 import torch
 
-from engine import StepReport, TransportBatch
-from guards.base import Guard
-from guards.verdict import Action, Finding
+from grpod.engine import StepReport, TransportBatch
+from grpod.guards.base import Guard
+from grpod.guards.verdict import Action, Finding
 
 
 class FiniteGuard(Guard):

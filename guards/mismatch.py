@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine import StepReport, TransportBatch
-from guards.base import Guard, is_finite
-from guards.verdict import Finding
+from grpod.engine import StepReport, TransportBatch
+from grpod.guards.base import Guard, is_finite
+from grpod.guards.verdict import Finding
 
 
 class SamplerMismatchGuard(Guard):

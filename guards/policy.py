@@ -13,20 +13,20 @@ from typing import Any
 
 import torch
 
-from engine import StepReport, TransportBatch
-from guards import distributed
-from guards.accounting import AccountingGuard
-from guards.advantage import AdvantageGuard
-from guards.base import Guard
-from guards.clip import ClipGuard
-from guards.config import GuardsConfig, as_config
-from guards.correlation import GradNormVTCCorrelationGuard
-from guards.errors import GuardsError
-from guards.finite import FiniteGuard
-from guards.mismatch import SamplerMismatchGuard
-from guards.reorder import ReorderGuard
-from guards.spike import SpikeGuard
-from guards.verdict import Action, Finding, Verdict
+from grpod.engine import StepReport, TransportBatch
+from grpod.guards import distributed
+from grpod.guards.accounting import AccountingGuard
+from grpod.guards.advantage import AdvantageGuard
+from grpod.guards.base import Guard
+from grpod.guards.clip import ClipGuard
+from grpod.guards.config import GuardsConfig, as_config
+from grpod.guards.correlation import GradNormVTCCorrelationGuard
+from grpod.guards.errors import GuardsError
+from grpod.guards.finite import FiniteGuard
+from grpod.guards.mismatch import SamplerMismatchGuard
+from grpod.guards.reorder import ReorderGuard
+from grpod.guards.spike import SpikeGuard
+from grpod.guards.verdict import Action, Finding, Verdict
 
 GUARD_CLASSES: tuple[type[Guard], ...] = (
     ReorderGuard,

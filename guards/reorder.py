@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import TransportBatch
-from guards.base import Guard
-from guards.errors import GuardsError
-from guards.verdict import Action, Finding
+from grpod.engine import TransportBatch
+from grpod.guards.base import Guard
+from grpod.guards.errors import GuardsError
+from grpod.guards.verdict import Action, Finding
 
 
 class ReorderGuard(Guard):

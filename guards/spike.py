@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import StepReport, TransportBatch
-from guards.base import Guard, Window, is_finite, load_floats
-from guards.errors import GuardsError
-from guards.verdict import Finding
+from grpod.engine import StepReport, TransportBatch
+from grpod.guards.base import Guard, Window, is_finite, load_floats
+from grpod.guards.errors import GuardsError
+from grpod.guards.verdict import Finding
 
 
 class SpikeGuard(Guard):

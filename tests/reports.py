@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine import StepReport
+from grpod.engine import StepReport
 
 HEALTHY = dict(
     step=0,

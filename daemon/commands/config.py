@@ -16,14 +16,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _example(args: argparse.Namespace) -> int:
-    from daemon.example import example_toml
+    from grpod.daemon.example import example_toml
 
     print(example_toml(), end="")
     return 0
 
 
 def _check(args: argparse.Namespace) -> int:
-    from daemon.config import load_config
+    from grpod.daemon.config import load_config
 
     load_config(args.file)  # ConfigError -> one line, exit 2
     print(f"{args.file}: ok")

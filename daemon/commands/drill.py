@@ -11,7 +11,7 @@ import json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from guards import DRILLS
+    from grpod.guards import DRILLS
 
     p = sub.add_parser("drill", help="run a fault drill against the guards")
     p.add_argument("name", choices=sorted(DRILLS), metavar="NAME", help=", ".join(sorted(DRILLS)))
@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _drill(args: argparse.Namespace) -> int:
-    from guards import run_drill
+    from grpod.guards import run_drill
 
     result = run_drill(args.name, args.steps, args.seed, clean_steps=args.clean_steps)
     if args.json:

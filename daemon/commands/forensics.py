@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
-    from forensics import Store
+    from grpod.forensics import Store
 
     store = Store(args.run_dir, args.store_url)
     try:
@@ -69,7 +69,7 @@ def _db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from forensics import ForensicsError, replay
+    from grpod.forensics import ForensicsError, replay
 
     if (args.incident is None) == (args.step is None):
         raise ForensicsError("give an INCIDENT_ID or --step N (exactly one)")
@@ -119,7 +119,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _incidents_list(args: argparse.Namespace) -> int:
-    from forensics import list_incidents
+    from grpod.forensics import list_incidents
 
     rows = list_incidents(args.run_dir, args.store_url)
     if args.json:
@@ -136,7 +136,7 @@ def _incidents_list(args: argparse.Namespace) -> int:
 
 
 def _incidents_show(args: argparse.Namespace) -> int:
-    from forensics import show_incident
+    from grpod.forensics import show_incident
 
     detail = show_incident(args.run_dir, args.id, args.store_url)
     if args.json:
@@ -158,7 +158,7 @@ def _incidents_show(args: argparse.Namespace) -> int:
 
 
 def _incidents_export(args: argparse.Namespace) -> int:
-    from forensics import export_incident
+    from grpod.forensics import export_incident
 
     out = export_incident(args.run_dir, args.id, args.out_dir, args.store_url)
     print(f"incident {args.id}: exported to {out}")
@@ -166,7 +166,7 @@ def _incidents_export(args: argparse.Namespace) -> int:
 
 
 def _fsck(args: argparse.Namespace) -> int:
-    from forensics import fsck
+    from grpod.forensics import fsck
 
     report = fsck(args.run_dir, args.store_url)
     if args.json:
@@ -182,8 +182,8 @@ def _fsck(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from forensics import gc
-    from forensics.config import run_dir_config
+    from grpod.forensics import gc
+    from grpod.forensics.config import run_dir_config
 
     budget = args.budget_bytes
     if budget is None:

@@ -60,9 +60,9 @@ def load_series(run_dir: str | Path, store_url: str = "") -> RunSeries:
     """
     from sqlalchemy import select
 
-    from forensics.errors import ForensicsError
-    from forensics.models import Step
-    from forensics.store import Store
+    from grpod.forensics.errors import ForensicsError
+    from grpod.forensics.models import Step
+    from grpod.forensics.store import Store
 
     store = Store(run_dir, store_url, create=False)
     try:

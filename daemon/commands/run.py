@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from daemon.rundir import resolve_plan
+    from grpod.daemon.rundir import resolve_plan
 
     overrides = {}
     if args.max_steps is not None:
@@ -37,7 +37,7 @@ def _run(args: argparse.Namespace) -> int:
         overrides["linger_seconds"] = args.linger
     plan = resolve_plan(args.config, args.run_dir, overrides)  # reads only; ConfigError -> 2
 
-    from daemon.loop import EXIT_HALT, EXIT_OK, Daemon
+    from grpod.daemon.loop import EXIT_HALT, EXIT_OK, Daemon
 
     code = Daemon(plan).run()
     if code in (EXIT_OK, EXIT_HALT):
@@ -47,7 +47,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _print_summary(run_dir, store_url: str) -> None:
     """Where the store is and a `grpod replay` command for one of its steps (stderr)."""
-    from daemon.commands.status import store_summary
+    from grpod.daemon.commands.status import store_summary
 
     summary = store_summary(run_dir, store_url)
     if summary is None or summary["last_step"] is None:

@@ -22,8 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from daemon.errors import ConfigError
-    from daemon.rundir import RunDir
+    from grpod.daemon.errors import ConfigError
+    from grpod.daemon.rundir import RunDir
 
     run = RunDir(args.run_dir)
     if not run.is_run():
@@ -56,9 +56,9 @@ def store_summary(run_dir: str | os.PathLike, store_url: str = "") -> dict[str, 
     """Recorded steps by outcome, re-runs, incidents, the last step; None without a store."""
     from sqlalchemy import func, select
 
-    from forensics.errors import ForensicsError
-    from forensics.models import Incident, Step
-    from forensics.store import Store
+    from grpod.forensics.errors import ForensicsError
+    from grpod.forensics.models import Incident, Step
+    from grpod.forensics.store import Store
 
     try:
         store = Store(run_dir, store_url, create=False)
@@ -99,7 +99,7 @@ def store_summary(run_dir: str | os.PathLike, store_url: str = "") -> dict[str, 
 
 
 def _store_url(run: Any) -> str:
-    from daemon.config import load_config
+    from grpod.daemon.config import load_config
 
     return load_config(run.config_path).forensics.store_url
 

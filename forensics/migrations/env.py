@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from forensics.models import Base
+from grpod.forensics.models import Base
 
 target_metadata = Base.metadata
 

@@ -1,4 +1,4 @@
-"""Commands that only parse arguments or a config file do not import torch (engine/lazy.py)."""
+"""Commands that only parse arguments or a config file do not import torch (grpod/lazy.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
 import sys
-from daemon.cli import main
+from grpod.daemon.cli import main
 rc = main(sys.argv[1:])
 heavy = sorted(m for m in ("torch", "transformers", "sqlalchemy") if m in sys.modules)
 print("HEAVY", ",".join(heavy), "RC", rc)
@@ -31,9 +31,7 @@ def test_config_check_and_example_load_no_torch() -> None:
 
 
 def test_package_exports_still_resolve() -> None:
-    import engine
-    import forensics
-    import guards
+    from grpod import engine, forensics, guards
 
     for package in (engine, guards, forensics):
         for name in package.__all__:

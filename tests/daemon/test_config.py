@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cli import main
-from daemon.config import GrpodConfig, load_config, parse_config
-from daemon.errors import ConfigError
-from daemon.example import EXAMPLE_PATH, dump_toml, example_toml
+from grpod.daemon.cli import main
+from grpod.daemon.config import GrpodConfig, load_config, parse_config
+from grpod.daemon.errors import ConfigError
+from grpod.daemon.example import EXAMPLE_PATH, dump_toml, example_toml
 from tests.daemon.helpers import GRPOD
 
 BAD = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from daemon.health import Health, HealthServer
+from grpod.daemon.health import Health, HealthServer
 from tests.daemon.helpers import http_get
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 
-from daemon import logs
+from grpod.daemon import logs
 
 
 class _Tty(io.StringIO):

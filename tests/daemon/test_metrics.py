@@ -10,9 +10,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from daemon.metrics import PHASE_BUCKETS, Metrics
-from engine import StepReport
-from guards import Action, Finding, Verdict
+from grpod.daemon.metrics import PHASE_BUCKETS, Metrics
+from grpod.engine import StepReport
+from grpod.guards import Action, Finding, Verdict
 from tests.daemon.helpers import parse_metrics
 from tests.reports import make_report
 
@@ -127,8 +127,8 @@ def test_multiprocess_mode(tmp_path: Path) -> None:
     code = f"""
 import sys; sys.path[:0] = {sys.path!r}
 from prometheus_client import CollectorRegistry, generate_latest
-from daemon.metrics import Metrics, serving_registry
-from guards import Action, Verdict
+from grpod.daemon.metrics import Metrics, serving_registry
+from grpod.guards import Action, Verdict
 from tests.daemon.test_metrics import report
 registry = CollectorRegistry()
 metrics = Metrics(registry)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from daemon.notify import Notifier
+from grpod.daemon.notify import Notifier
 
 
 def _bound(path: Path) -> socket.socket:

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from daemon.signals import AbandonStep, Signals
+from grpod.daemon.signals import AbandonStep, Signals
 
 
 def test_stop_abandon_and_reload() -> None:

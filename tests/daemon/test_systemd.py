@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import daemon
+from grpod import daemon
 
 UNIT = Path(daemon.__file__).with_name("systemd") / "grpod.service"
 

@@ -119,7 +119,7 @@ def run_daemon(base: Path, config_text: str) -> DaemonRun:
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     with stdout.open("w") as out, stderr.open("w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "run", "--config", str(config),
+            [sys.executable, "-m", "grpod.daemon.cli", "run", "--config", str(config),
              "--run-dir", str(run_dir)],
             cwd=ROOT, env=env, stdout=out, stderr=err,
         )  # fmt: skip

@@ -119,7 +119,7 @@ def test_runbook_commands_parse_with_the_real_cli() -> None:
     """Every `grpod ...` command a runbook names is accepted by the grpod parser."""
     import shlex
 
-    from daemon.cli import build_parser
+    from grpod.daemon.cli import build_parser
 
     parser = build_parser()
     placeholders = {"RUN_DIR": "/tmp/run", "ID": "1", "N": "3"}

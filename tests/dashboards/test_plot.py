@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cli import main
-from daemon.commands.plot import load_series, pearson
+from grpod.daemon.cli import main
+from grpod.daemon.commands.plot import load_series, pearson
 from tests.dashboards.conftest import MAX_STEPS, DaemonRun
 
 PNGS = ("learning.png", "outcomes.png", "accounting.png", "gradnorm.png", "overview.png")
@@ -65,7 +65,7 @@ def test_plot_shows_the_accounting_fault_of_a_halted_run(
     halted_run: DaemonRun, tmp_path: Path
 ) -> None:
     """Skipped steps (no grad norm) and flushed ones plot; the counter's misreads show."""
-    from daemon.commands.plot import render
+    from grpod.daemon.commands.plot import render
 
     series = load_series(halted_run.run_dir)
     assert set(series.outcomes) <= {"flushed", "skipped"} and series.incidents

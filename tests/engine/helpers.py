@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine import EngineConfig, TransportBatch
-from engine.packing import Sample, pack
+from grpod.engine import EngineConfig, TransportBatch
+from grpod.engine.packing import Sample, pack
 
 TINY = dict(prompts_per_step=4, group_size=4, task="copy", micro_batch_rows=2, seq_len=32)
 W2 = dict(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine import Engine
+from grpod.engine import Engine
 from tests.engine.helpers import W2, config
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.advantages import group_advantages
+from grpod.engine.advantages import group_advantages
 
 
 def test_equal_reward_groups_get_exactly_zero_and_are_counted() -> None:
@@ -61,7 +61,7 @@ def test_sample_std_with_one_sample_per_group_is_zero_not_nan() -> None:
 
 
 def test_engine_config_selects_the_std() -> None:
-    from engine import Engine
+    from grpod.engine import Engine
     from tests.engine.helpers import config
 
     population = Engine(config()).rollout()  # TINY: groups of 4, same seed, same completions

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import Engine, EngineError, TransportBatch
+from grpod.engine import Engine, EngineError, TransportBatch
 from tests.engine.helpers import config
 
 

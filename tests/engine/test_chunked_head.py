@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.loss import _head_logprobs, token_logprobs
+from grpod.engine.loss import _head_logprobs, token_logprobs
 
 
 def _inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine import Engine
-from engine.flat import ALIGN_BYTES, flatten_parameters
-from engine.model import build_tiny_qwen2
+from grpod.engine import Engine
+from grpod.engine.flat import ALIGN_BYTES, flatten_parameters
+from grpod.engine.model import build_tiny_qwen2
 from tests.engine.helpers import config
 
 

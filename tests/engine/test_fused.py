@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.fused as fused
-from engine import Engine
-from engine.fused import StaticDecoder, unsupported
-from engine.model import build_tiny_qwen2
-from engine.rollout import sample
+import grpod.engine.fused as fused
+from grpod.engine import Engine
+from grpod.engine.fused import StaticDecoder, unsupported
+from grpod.engine.model import build_tiny_qwen2
+from grpod.engine.rollout import sample
 from tests.engine.helpers import config, tiny_llama
 
 

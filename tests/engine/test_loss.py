@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from engine import Engine, EngineError
-from engine.loss import LossSettings, policy_token_loss
+from grpod.engine import Engine, EngineError
+from grpod.engine.loss import LossSettings, policy_token_loss
 from tests.engine.helpers import config, hand_batch
 
 SEQUENCE = [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 2]  # <bos> 0 1 ... 9 <eos>

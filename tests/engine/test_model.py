@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Engine, EngineError
-from engine.model import build_tiny_qwen2
-from engine.tokenizer import ARITH_CHARS, SPECIALS
+from grpod.engine import Engine, EngineError
+from grpod.engine.model import build_tiny_qwen2
+from grpod.engine.tokenizer import ARITH_CHARS, SPECIALS
 from tests.engine.helpers import config
 
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from engine import Engine, TransportBatch
-from engine.loss import token_logprobs
+from grpod.engine import Engine, TransportBatch
+from grpod.engine.loss import token_logprobs
 from tests.engine.helpers import config
 
 

@@ -1,5 +1,5 @@
-from engine import Engine
-from engine.packing import first_fit_decreasing
+from grpod.engine import Engine
+from grpod.engine.packing import first_fit_decreasing
 from tests.engine.helpers import config
 
 
@@ -29,7 +29,7 @@ def test_packed_logprobs_equal_alone() -> None:
         where = (batch.sample_ids == s) & batch.loss_mask
         per_sample_packed[s] = packed[where]
     # the same samples, one per row
-    from engine.packing import Sample, pack
+    from grpod.engine.packing import Sample, pack
 
     samples = []
     for s in range(batch.num_samples):

@@ -2,8 +2,8 @@
 
 import torch
 
-from engine import Engine
-from engine.rollout import _filter_top_p, sample
+from grpod.engine import Engine
+from grpod.engine.rollout import _filter_top_p, sample
 from tests.engine.helpers import config
 
 

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from engine import Engine, EngineError
+from grpod.engine import Engine, EngineError
 from tests.engine.helpers import config
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()

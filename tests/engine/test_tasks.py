@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineError
-from engine.tasks import ArithTask, CopyTask, KVRetrievalTask, build_task
-from engine.tokenizer import CharTokenizer
+from grpod.engine import Engine, EngineError
+from grpod.engine.tasks import ArithTask, CopyTask, KVRetrievalTask, build_task
+from grpod.engine.tokenizer import CharTokenizer
 from tests.engine.helpers import config
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, EngineError
+from grpod.engine import Engine, EngineConfig, EngineError
 from tests.engine.helpers import config
 
 

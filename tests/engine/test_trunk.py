@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.trainer as trainer
-from engine import Engine
-from engine.model import build_tiny_qwen2
-from engine.trunk import trunk_states, unsupported
+import grpod.engine.trainer as trainer
+from grpod.engine import Engine
+from grpod.engine.model import build_tiny_qwen2
+from grpod.engine.trunk import trunk_states, unsupported
 from tests.engine.helpers import config, tiny_llama
 
 

@@ -6,9 +6,9 @@ import dataclasses
 
 import torch
 
-import engine.trainer as trainer
-from engine import Engine, TransportBatch
-from engine.packing import joint_slots, scan_units
+import grpod.engine.trainer as trainer
+from grpod.engine import Engine, TransportBatch
+from grpod.engine.packing import joint_slots, scan_units
 from tests.engine.helpers import W2, config, hand_batch
 
 

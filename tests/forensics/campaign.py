@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from engine import Engine, EngineConfig, StepReport
-from forensics import FlightRecorder, ForensicsConfig
+from grpod.engine import Engine, EngineConfig, StepReport
+from grpod.forensics import FlightRecorder, ForensicsConfig
 
 TINY = dict(
     task="arith",

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, select, text
 
-from forensics import ForensicsConfig, Store
-from forensics.models import Blob
+from grpod.forensics import ForensicsConfig, Store
+from grpod.forensics.models import Blob
 from tests.forensics.campaign import Campaign, run_campaign
 
 PG_URL = os.environ.get("GRPOD_TEST_PG_URL", "")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from forensics import FlightRecorder, ForensicsConfig
+from grpod.forensics import FlightRecorder, ForensicsConfig
 from tests.forensics.test_store import tiny_batch, tiny_report
 
 

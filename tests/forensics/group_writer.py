@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from forensics import FlightRecorder, ForensicsConfig
+from grpod.forensics import FlightRecorder, ForensicsConfig
 from tests.forensics.test_store import PASS, WARN, tiny_batch, tiny_report
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forensics import BlobStore, ForensicsError, canonical_digest
+from grpod.forensics import BlobStore, ForensicsError, canonical_digest
 
 TENSORS = {"a": torch.arange(6).reshape(2, 3), "b": torch.tensor([True, False])}
 META = {"step": "3", "format": "x"}

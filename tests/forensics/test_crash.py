@@ -11,9 +11,9 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from forensics import BlobStore, Store, fsck, gc
-from forensics.blobs import TEMP_PREFIX
-from forensics.models import Blob, Step
+from grpod.forensics import BlobStore, Store, fsck, gc
+from grpod.forensics.blobs import TEMP_PREFIX
+from grpod.forensics.models import Blob, Step
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPOD = str(Path(sys.executable).with_name("grpod"))

@@ -16,10 +16,17 @@ import torch
 from safetensors.torch import load, save
 from sqlalchemy import func, select
 
-from forensics import BlobStore, FlightRecorder, ForensicsConfig, Store, canonical_digest, fsck
-from forensics import recorder as recorder_module
-from forensics.blobs import TEMP_PREFIX, encode
-from forensics.models import Blob, Checkpoint, Incident, Step
+from grpod.forensics import (
+    BlobStore,
+    FlightRecorder,
+    ForensicsConfig,
+    Store,
+    canonical_digest,
+    fsck,
+)
+from grpod.forensics import recorder as recorder_module
+from grpod.forensics.blobs import TEMP_PREFIX, encode
+from grpod.forensics.models import Blob, Checkpoint, Incident, Step
 from tests.forensics.test_store import PASS, WARN, tiny_batch, tiny_report
 
 ROOT = Path(__file__).resolve().parents[2]

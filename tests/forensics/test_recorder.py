@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import delete, func, select
 
-from engine import Engine, EngineConfig
-from forensics import FlightRecorder, ForensicsConfig, ForensicsError, Store
-from forensics.models import Run, Step
-from forensics.recorder import report_dict
+from grpod.engine import Engine, EngineConfig
+from grpod.forensics import FlightRecorder, ForensicsConfig, ForensicsError, Store
+from grpod.forensics.models import Run, Step
+from grpod.forensics.recorder import report_dict
 from tests.forensics.test_store import PASS, tiny_batch, tiny_report
 
 

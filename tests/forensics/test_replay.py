@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select, update
 
-from engine import TransportBatch
-from forensics import BlobStore, ForensicsError, Store, list_incidents, replay
-from forensics.models import Blob, Step
-from forensics.replay import as_run, bit_equal
+from grpod.engine import TransportBatch
+from grpod.forensics import BlobStore, ForensicsError, Store, list_incidents, replay
+from grpod.forensics.models import Blob, Step
+from grpod.forensics.replay import as_run, bit_equal
 from tests.forensics.campaign import Campaign, run_campaign
 from tests.forensics.conftest import FAULT_STEP, damage_blob
 
@@ -146,7 +146,7 @@ def test_cli_replay_json_and_bad_input_exit_codes(recorded: Campaign) -> None:
 
 @pytest.mark.postgres
 def test_record_and_replay_through_a_shared_store(tmp_path: Path, pg_store_url: str) -> None:
-    from forensics import ForensicsConfig
+    from grpod.forensics import ForensicsConfig
 
     store_url = pg_store_url
 
@@ -171,7 +171,7 @@ class _Terminal(io.StringIO):
 def test_cli_text_replay_draws_a_progress_bar_on_a_tty(
     recorded: Campaign, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from daemon.cli import main
+    from grpod.daemon.cli import main
 
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
@@ -182,7 +182,7 @@ def test_cli_text_replay_draws_a_progress_bar_on_a_tty(
 
 
 def test_other_software_is_noted(run_copy: Path) -> None:
-    from forensics.models import Run
+    from grpod.forensics.models import Run
 
     store = Store(run_copy)
     with store.session() as session:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from daemon.cli import main
-from engine import TransportBatch
-from forensics import ForensicsError, Store, fsck, gc, replay
+from grpod.daemon.cli import main
+from grpod.engine import TransportBatch
+from grpod.forensics import ForensicsError, Store, fsck, gc, replay
 from tests.forensics.conftest import FAULT_STEP, blob_rows, damage_blob
 
 

@@ -13,9 +13,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import func, select, text
 
-from engine import StepReport, TransportBatch
-from forensics import BlobStore, FlightRecorder, ForensicsConfig, ForensicsError, Store
-from forensics.models import Base, Blob, Checkpoint, Incident, Run, Step
+from grpod.engine import StepReport, TransportBatch
+from grpod.forensics import BlobStore, FlightRecorder, ForensicsConfig, ForensicsError, Store
+from grpod.forensics.models import Base, Blob, Checkpoint, Incident, Run, Step
 from tests.reports import make_report
 
 

@@ -14,8 +14,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from engine import Engine, EngineConfig
-from guards import GuardPolicy, guarded_step
+from grpod.engine import Engine, EngineConfig
+from grpod.guards import GuardPolicy, guarded_step
 from tests.guards.helpers import batch
 
 

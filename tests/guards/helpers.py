@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import StepReport, TransportBatch
+from grpod.engine import StepReport, TransportBatch
 from tests.reports import make_report
 
 

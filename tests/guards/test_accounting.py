@@ -1,6 +1,6 @@
-from guards import Action
-from guards.accounting import AccountingGuard
-from guards.config import AccountingConfig
+from grpod.guards import Action
+from grpod.guards.accounting import AccountingGuard
+from grpod.guards.config import AccountingConfig
 from tests.guards.helpers import batch, report
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from daemon.cli import main
+from grpod.daemon.cli import main
 
 
 def test_drill_json_exit_0_when_every_injected_step_is_intercepted(capsys) -> None:

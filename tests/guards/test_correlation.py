@@ -2,9 +2,9 @@ import math
 
 import pytest
 
-from guards import Action
-from guards.config import CorrelationConfig
-from guards.correlation import GradNormVTCCorrelationGuard
+from grpod.guards import Action
+from grpod.guards.config import CorrelationConfig
+from grpod.guards.correlation import GradNormVTCCorrelationGuard
 from tests.guards.helpers import batch, report
 
 

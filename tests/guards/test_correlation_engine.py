@@ -11,9 +11,9 @@ import json
 import warnings
 from pathlib import Path
 
-from engine import Engine, EngineConfig
-from engine.tasks import KVRetrievalTask
-from guards import GuardPolicy, guarded_step
+from grpod.engine import Engine, EngineConfig
+from grpod.engine.tasks import KVRetrievalTask
+from grpod.guards import GuardPolicy, guarded_step
 
 STEPS = 24
 

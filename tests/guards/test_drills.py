@@ -3,8 +3,8 @@ least 50 clean steps, the policy bit-identical after each flush."""
 
 import pytest
 
-from engine.tasks import KVRetrievalTask
-from guards import Action, run_drill
+from grpod.engine.tasks import KVRetrievalTask
+from grpod.guards import Action, run_drill
 
 FLUSH_DRILLS = ("nan-loss", "inf-grad", "sentinel-logprob")
 WARN_DRILLS = {"equal-rewards": "advantage", "loss-spike": "spike"}
@@ -40,7 +40,7 @@ def test_warn_drills(name: str) -> None:
 
 
 def test_unknown_drill_is_a_guards_error() -> None:
-    from guards import GuardsError
+    from grpod.guards import GuardsError
 
     with pytest.raises(GuardsError, match="unknown"):
         run_drill("no-such-drill")

@@ -3,10 +3,10 @@ from dataclasses import replace
 
 import torch
 
-from guards import Action
-from guards.config import FiniteConfig
-from guards.finite import FiniteGuard
-from guards.policy import shared_storage
+from grpod.guards import Action
+from grpod.guards.config import FiniteConfig
+from grpod.guards.finite import FiniteGuard
+from grpod.guards.policy import shared_storage
 from tests.guards.helpers import batch, report
 
 GUARD = FiniteGuard(FiniteConfig())

@@ -5,9 +5,9 @@ import warnings
 import pytest
 import torch
 
-from engine import Engine, EngineConfig
-from guards import Action, GuardPolicy, GuardsConfig, GuardsError, guarded_step
-from guards.policy import GUARD_CLASSES
+from grpod.engine import Engine, EngineConfig
+from grpod.guards import Action, GuardPolicy, GuardsConfig, GuardsError, guarded_step
+from grpod.guards.policy import GUARD_CLASSES
 from tests.guards.helpers import batch, report
 
 TINY = dict(task="arith", prompts_per_step=2, group_size=4, seq_len=32)

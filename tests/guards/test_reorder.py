@@ -1,8 +1,8 @@
 import torch
 
-from guards import Action
-from guards.config import ReorderConfig
-from guards.reorder import ReorderGuard
+from grpod.guards import Action
+from grpod.guards.config import ReorderConfig
+from grpod.guards.reorder import ReorderGuard
 from tests.guards.helpers import batch
 
 # 3 micros of one 8-token row, 2 chunks of 4: chunk-0 valid counts 1, 3, 0

@@ -2,11 +2,11 @@
 
 import math
 
-from guards import Action
-from guards.advantage import AdvantageGuard
-from guards.clip import ClipGuard
-from guards.config import AdvantageConfig, ClipConfig, SamplerMismatchConfig
-from guards.mismatch import SamplerMismatchGuard
+from grpod.guards import Action
+from grpod.guards.advantage import AdvantageGuard
+from grpod.guards.clip import ClipGuard
+from grpod.guards.config import AdvantageConfig, ClipConfig, SamplerMismatchConfig
+from grpod.guards.mismatch import SamplerMismatchGuard
 from tests.guards.helpers import batch, report
 
 

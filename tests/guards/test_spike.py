@@ -1,8 +1,8 @@
 import math
 
-from guards import Action
-from guards.config import SpikeConfig
-from guards.spike import SpikeGuard
+from grpod.guards import Action
+from grpod.guards.config import SpikeConfig
+from grpod.guards.spike import SpikeGuard
 from tests.guards.helpers import batch, report
 
 

@@ -1,7 +1,7 @@
 import json
 import math
 
-from guards import Action, Finding, Verdict
+from grpod.guards import Action, Finding, Verdict
 
 
 def test_actions_are_ordered() -> None:

@@ -1,9 +1,9 @@
 """Package attributes imported on first use (PEP 562), shared by grpod's package `__init__`s.
 
-`engine`, `guards` and `forensics` export their public names lazily so that importing one
-light submodule (`engine.errors`, `guards.errors`, a config model) does not import torch,
-transformers and SQLAlchemy: a `grpod` command that only parses its arguments or a config
-file answers in a fraction of a second.
+`grpod.engine`, `grpod.guards` and `grpod.forensics` export their public names lazily so
+that importing one light submodule (`grpod.engine.errors`, a config model) does not import
+torch, transformers and SQLAlchemy: a `grpod` command that only parses its arguments or a
+config file answers in a fraction of a second.
 """
 
 from __future__ import annotations
