@@ -20,7 +20,7 @@ from typing import Any
 from grpod.daemon.config import DEFAULT_ROOT, GrpodConfig, load_config, validate
 from grpod.daemon.errors import ConfigError
 from grpod.daemon.example import dump_toml
-from grpod.engine.checkpoint import fsync_dir
+from grpod.fileio import atomic_dir, write_atomic
 
 CONFIG_NAME = "config.toml"
 RUN_NAME = "run.json"
@@ -57,14 +57,11 @@ class RunDir:
     def create(self, run_id: str, config: GrpodConfig) -> None:
         """Make a new run dir atomically: built beside its name, renamed into place (over an
         empty directory if one is there), so a run dir is complete or absent."""
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / CHECKPOINTS).mkdir(parents=True)
-        _write_atomic(tmp / CONFIG_NAME, dump_toml(config))
-        record = {"run_id": run_id, "created_at": time.time(), "config": CONFIG_NAME}
-        _write_atomic(tmp / RUN_NAME, json.dumps(record) + "\n")
-        os.rename(tmp, self.path)
-        fsync_dir(self.path.parent)
+        with atomic_dir(self.path) as tmp:
+            (tmp / CHECKPOINTS).mkdir()
+            (tmp / CONFIG_NAME).write_text(dump_toml(config), encoding="utf-8")
+            record = {"run_id": run_id, "created_at": time.time(), "config": CONFIG_NAME}
+            (tmp / RUN_NAME).write_text(json.dumps(record) + "\n", encoding="utf-8")
 
     def remove_stale_temporaries(self) -> list[str]:
         """Checkpoint directories a killed process left half-written (never referenced)."""
@@ -74,7 +71,8 @@ class RunDir:
         return [path.name for path in stale]
 
     def write_status(self, status: dict[str, Any]) -> None:
-        _write_atomic(self.status_path, json.dumps(status, sort_keys=True) + "\n", fsync=False)
+        # rewritten every step and only a live view: atomic, not worth an fsync
+        write_atomic(self.status_path, json.dumps(status, sort_keys=True) + "\n", durable=False)
 
     def read_status(self) -> dict[str, Any] | None:
         try:
@@ -145,13 +143,3 @@ def link_latest(link: Path, target: Path) -> None:
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(target.name if target.parent == link.parent else target.resolve())
     os.replace(tmp, link)
-
-
-def _write_atomic(path: Path, text: str, fsync: bool = True) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        if fsync:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)

@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from grpod.engine.errors import EngineError
+from grpod.fileio import atomic_file
 
 TOKEN_FIELDS: dict[str, torch.dtype] = {
     "input_ids": torch.int64,
@@ -110,13 +111,9 @@ class TransportBatch:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write to safetensors atomically (temp file, fsync, rename)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         tensors = {n: t.contiguous() for n, t in self.tensors().items()}
-        save_file(tensors, str(tmp), metadata=self.metadata())
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            save_file(tensors, str(tmp), metadata=self.metadata())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TransportBatch:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from grpod.engine.batch import TransportBatch
 from grpod.engine.errors import EngineError
+from grpod.fileio import atomic_dir
 
 if TYPE_CHECKING:
     from grpod.engine.trainer import Engine
@@ -31,39 +31,32 @@ def save_checkpoint(
     if engine._pending is not None:
         raise EngineError(f"checkpoint {path}: step {engine._pending.step} is still pending")
     final = Path(path)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weights = {n: p.detach().cpu().contiguous().clone() for n, p in engine.model.named_parameters()}
-    save_file(weights, str(tmp / "model.safetensors"))
-    opt = engine.optimizer.state_dict()
-    tensors, scalars = {}, {}
-    for index, state in opt["state"].items():
-        for key, value in state.items():
-            if torch.is_tensor(value):
-                tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
-            else:
-                scalars[f"{index}.{key}"] = value
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
-    if engine.rollout_cache is not None:
-        engine.rollout_cache.save(tmp / "rollout_cache.safetensors")
-    state = {
-        "format": FORMAT,
-        "step": engine.step,
-        "config_digest": engine.config_digest,
-        "param_groups": opt["param_groups"],
-        "optimizer_scalars": scalars,
-        "scheduler": engine.scheduler.state_dict(),
-        "extra": extra or {},
-    }
-    (tmp / "state.json").write_text(json.dumps(state, sort_keys=True, default=_lambda_free))
-    for file in tmp.iterdir():
-        with open(file, "rb") as fh:
-            os.fsync(fh.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
+    with atomic_dir(final, replace=True) as tmp:
+        weights = {
+            n: p.detach().cpu().contiguous().clone() for n, p in engine.model.named_parameters()
+        }
+        save_file(weights, str(tmp / "model.safetensors"))
+        opt = engine.optimizer.state_dict()
+        tensors, scalars = {}, {}
+        for index, state in opt["state"].items():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
+                else:
+                    scalars[f"{index}.{key}"] = value
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        if engine.rollout_cache is not None:
+            engine.rollout_cache.save(tmp / "rollout_cache.safetensors")
+        state = {
+            "format": FORMAT,
+            "step": engine.step,
+            "config_digest": engine.config_digest,
+            "param_groups": opt["param_groups"],
+            "optimizer_scalars": scalars,
+            "scheduler": engine.scheduler.state_dict(),
+            "extra": extra or {},
+        }
+        (tmp / "state.json").write_text(json.dumps(state, sort_keys=True, default=_lambda_free))
     return final
 
 
@@ -110,12 +103,3 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict[str, Any]:
 
 def _lambda_free(value: Any) -> Any:
     return None  # LambdaLR keeps its lambdas out of state_dict; anything else unknown is dropped
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in directory `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from grpod.engine import EngineError, TransportBatch
+from grpod.fileio import atomic_dir
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Incident, Step
@@ -74,12 +74,11 @@ def export_incident(
         batch = TransportBatch.from_tensors(tensors, metadata, source=digest)
     except EngineError as exc:
         raise ForensicsError(str(exc)) from None
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    batch.save(tmp / "batch.safetensors")
-    (tmp / "incident.json").write_text(json.dumps({**detail, "config": config}, indent=2) + "\n")
-    os.replace(tmp, out)
+    with atomic_dir(out) as tmp:
+        batch.save(tmp / "batch.safetensors")
+        (tmp / "incident.json").write_text(
+            json.dumps({**detail, "config": config}, indent=2) + "\n"
+        )
     return out
 
 

@@ -1,0 +1,92 @@
+"""Atomic writes: build beside the final name, fsync, rename into place, fsync the directory.
+
+A reader (or a process started after a crash) sees the old content or the new, never half of
+it. The temporary name is `.<name>.tmp-<pid>`: hidden, and attributable to the process that
+left it. `fsync_file` and `fsync_dir` are the pieces, for writers that batch them (the blob
+store publishes a group of staged files with one directory fsync).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def temp_path(path: str | os.PathLike) -> Path:
+    """Where `path` is built before it is renamed into place."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Put a file's bytes on disk (before its name is published)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or a new file in directory `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike, *, durable: bool = True) -> Iterator[Path]:
+    """Yield the temporary path to write `path` through; on success it replaces `path`
+    (fsynced first, and the directory after, when `durable`); on failure it is removed."""
+    final = Path(path)
+    tmp = temp_path(final)
+    try:
+        yield tmp
+        if durable:
+            fsync_file(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(final.parent)
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes, *, durable: bool = True) -> None:
+    """Replace file `path` with `data` (text as UTF-8) atomically."""
+    with atomic_file(path, durable=durable) as tmp:
+        if isinstance(data, str):
+            tmp.write_text(data, encoding="utf-8")
+        else:
+            tmp.write_bytes(data)
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike, *, replace: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary directory to fill; on success every file in it is fsynced and
+    it is renamed to `path` (over an empty directory; over any existing one when `replace`),
+    then the parent is fsynced. On failure it is removed."""
+    final = Path(path)
+    tmp = temp_path(final)
+    shutil.rmtree(tmp, ignore_errors=True)  # a previous process with our pid left it
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                fsync_file(file)
+            elif file.is_dir():
+                fsync_dir(file)
+        fsync_dir(tmp)
+        if replace and final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(final.parent)
