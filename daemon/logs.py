@@ -7,14 +7,14 @@ through `structlog.contextvars` so every event of a step carries them.
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import sys
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TextIO
 
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
+
+from grpod.jsonsafe import dumps
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
@@ -46,7 +46,7 @@ def make_logger(
     else:
         processors += [
             structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(serializer=_finite_dumps, sort_keys=False),
+            structlog.processors.JSONRenderer(serializer=dumps, sort_keys=False),
         ]
     return structlog.wrap_logger(
         _Printer(out, before_write),
@@ -98,25 +98,6 @@ class _Drop:
         if event.get("event") in self._events:
             raise structlog.DropEvent
         return event
-
-
-def _finite_dumps(event: EventDict, **kw: Any) -> str:
-    """JSON has no NaN or Infinity: write them as the strings 'nan', 'inf', '-inf'. One C pass
-    when every float is finite (a step's usual event); the rewrite only when one is not."""
-    try:
-        return json.dumps(event, allow_nan=False, **kw)
-    except ValueError:
-        return json.dumps({key: _safe(value) for key, value in event.items()}, **kw)
-
-
-def _safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if isinstance(value, dict):
-        return {k: _safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_safe(v) for v in value]
-    return value
 
 
 def _isatty(stream: TextIO) -> bool:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from grpod.jsonsafe import from_json, to_json
 
 
 @dataclass
@@ -80,31 +81,11 @@ class StepReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; non-finite floats become the strings 'nan', 'inf', '-inf'."""
-        return {k: _json_safe(v) for k, v in asdict(self).items()}
+        return to_json(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepReport:
         names = {f.name for f in fields(cls)}
-        kwargs = {k: _from_json(v) for k, v in data.items() if k in names}
+        kwargs = {k: from_json(v) for k, v in data.items() if k in names}
         kwargs["chunk_trace"] = [ChunkTrace(**c) for c in data.get("chunk_trace", [])]
         return cls(**kwargs)
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)  # 'nan', 'inf', '-inf'
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    return value
-
-
-def _from_json(value: Any) -> Any:
-    if value in ("nan", "inf", "-inf"):
-        return float(value)
-    if isinstance(value, list):
-        return [_from_json(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _from_json(v) for k, v in value.items()}
-    return value

@@ -18,11 +18,8 @@ run re-runs.
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import hashlib
 import json
-import math
 import os
 import queue
 import threading
@@ -40,6 +37,7 @@ from grpod.forensics.config import ACTIONS, ForensicsConfig, action_rank
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Incident, Run, Step
 from grpod.forensics.store import Store
+from grpod.jsonsafe import from_json
 
 OUTCOMES = ("applied", "flushed", "skipped")
 WRITER_NICE = 10  # the writer thread's niceness (a lower priority than the trainer's)
@@ -166,7 +164,7 @@ class FlightRecorder:
         if outcome not in OUTCOMES:
             raise ForensicsError(f"step {report.step}: outcome {outcome!r} not in {OUTCOMES}")
         verdict = _verdict_dict(verdict)
-        self._put(_StepItem(batch, report_dict(report), verdict, outcome, rerun))
+        self._put(_StepItem(batch, report.to_dict(), verdict, outcome, rerun))
 
     def note_checkpoint(self, step: int, path: str | os.PathLike) -> None:
         """A checkpoint taken with engine.step == `step` (the state before step `step`)."""
@@ -289,7 +287,7 @@ class FlightRecorder:
         if blob.data is not None:
             self._inline_bytes += blob.size
         report = item.report
-        scalars = {name: _column_value(report[name]) for name in StepReport.SCALARS}
+        scalars = {name: from_json(report[name]) for name in StepReport.SCALARS}
         row = dict(
             run_id=self.run_id,
             step=report["step"],
@@ -378,35 +376,6 @@ def _verdict_dict(verdict: dict[str, Any] | Any) -> dict[str, Any]:
     action = verdict.get("action", "PASS")
     name = ACTIONS[action_rank(action)]
     return {**verdict, "action": name, "findings": list(verdict.get("findings", []))}
-
-
-def report_dict(report: StepReport) -> dict[str, Any]:
-    """`report.to_dict()` (the same dict), built without `asdict`'s deep copy of every value:
-    a snapshot the writer may serialise while the trainer moves on."""
-    return {name: _plain(getattr(report, name)) for name in _REPORT_FIELDS}
-
-
-_REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(StepReport))
-
-
-def _plain(value: Any) -> Any:
-    """JSON-ready copy: non-finite floats as 'nan'/'inf'/'-inf', dataclasses as dicts."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
-    if value is None or isinstance(value, (int, str)):
-        return value
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    return copy.deepcopy(value)
-
-
-def _column_value(value: Any) -> Any:
-    """A StepReport.to_dict() scalar for a column ('nan'/'inf' strings back to floats)."""
-    return float(value) if value in ("nan", "inf", "-inf") else value
 
 
 def _now() -> datetime:

@@ -26,6 +26,7 @@ from grpod.forensics.blobs import BlobStore
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Step
 from grpod.forensics.store import Store
+from grpod.jsonsafe import to_json
 
 COMPARED = ("valid_tokens", "loss", "grad_norm")
 Progress = Callable[[int, int, int], None]  # (done, total, step)
@@ -248,11 +249,7 @@ def bit_equal(a: float | int, b: float | int) -> bool:
 
 
 def _fields(report: StepReport) -> dict[str, Any]:
-    return {name: _json_number(getattr(report, name)) for name in COMPARED}
-
-
-def _json_number(value: float | int) -> float | int | str:
-    return repr(value) if isinstance(value, float) and not math.isfinite(value) else value
+    return {name: to_json(getattr(report, name)) for name in COMPARED}
 
 
 def _trace(recorded: StepReport, replayed: StepReport) -> list[dict[str, Any]]:
@@ -267,8 +264,8 @@ def _trace(recorded: StepReport, replayed: StepReport) -> list[dict[str, Any]]:
                 "chunk": first.chunk,
                 "recorded_valid_tokens": None if rec is None else rec.valid_tokens,
                 "replayed_valid_tokens": None if new is None else new.valid_tokens,
-                "recorded_loss_sum": None if rec is None else _json_number(rec.loss_sum),
-                "replayed_loss_sum": None if new is None else _json_number(new.loss_sum),
+                "recorded_loss_sum": None if rec is None else to_json(rec.loss_sum),
+                "replayed_loss_sum": None if new is None else to_json(new.loss_sum),
                 "recorded_counter_after": None if rec is None else rec.counter_after,
                 "replayed_counter_after": None if new is None else new.counter_after,
                 "equal": rec is not None

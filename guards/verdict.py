@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Literal
+
+from grpod.jsonsafe import to_json
 
 ActionName = Literal["PASS", "WARN", "FLUSH", "HALT"]
 
@@ -33,7 +34,7 @@ class Finding:
             "guard": self.guard,
             "action": self.action.name,
             "message": self.message,
-            "evidence": {k: _json_number(v) for k, v in self.evidence.items()},
+            "evidence": {k: to_json(float(v)) for k, v in self.evidence.items()},
         }
 
     @classmethod
@@ -69,9 +70,3 @@ class Verdict:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Verdict:
         return cls(Action[data["action"]], [Finding.from_dict(f) for f in data["findings"]])
-
-
-def _json_number(value: float) -> float | str:
-    """Non-finite floats become 'nan', 'inf', '-inf' (as StepReport.to_dict does)."""
-    value = float(value)
-    return value if math.isfinite(value) else repr(value)

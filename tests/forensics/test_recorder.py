@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 from sqlalchemy import delete, func, select
 
-from grpod.engine import Engine, EngineConfig
+from grpod.engine import Engine, EngineConfig, StepReport
 from grpod.forensics import FlightRecorder, ForensicsConfig, ForensicsError, Store
 from grpod.forensics.models import Run, Step
-from grpod.forensics.recorder import report_dict
 from tests.forensics.test_store import PASS, tiny_batch, tiny_report
 
 
@@ -81,11 +80,20 @@ def test_a_verdict_object_is_recorded_through_to_dict(tmp_path: Path) -> None:
     store.close()
 
 
-def test_report_dict_is_to_dict() -> None:
-    """The recorder's snapshot of a report is exactly `StepReport.to_dict()`, NaNs included."""
+def test_the_recorded_report_is_a_json_ready_copy() -> None:
+    """The recorder's snapshot, `StepReport.to_dict()`, is plain JSON (NaN and ±inf as
+    strings), shares no container with the report, and reads back equal."""
     engine = Engine(EngineConfig(threads=1, sequence_chunks=2, prompts_per_step=2, group_size=2))
     report = engine.accumulate(engine.rollout())
     engine.flush()
-    assert report.chunk_trace and report_dict(report) == report.to_dict()
+    snapshot = report.to_dict()
+    assert report.chunk_trace and snapshot["chunk_trace"][0] == asdict(report.chunk_trace[0])
+    report.phase_seconds["late"] = 1.0  # the trainer moves on; the writer's copy does not
+    assert "late" not in snapshot["phase_seconds"]
     report = replace(report, loss=math.nan, micro_losses=[math.inf, -math.inf], kl=None)
-    assert json.dumps(report_dict(report)) == json.dumps(report.to_dict())
+    snapshot = report.to_dict()
+    text = json.dumps(snapshot, allow_nan=False)
+    assert (snapshot["loss"], snapshot["micro_losses"]) == ("nan", ["inf", "-inf"])
+    back = StepReport.from_dict(json.loads(text))
+    assert math.isnan(back.loss) and back.micro_losses == [math.inf, -math.inf]
+    assert replace(back, loss=0.0) == replace(report, loss=0.0)
