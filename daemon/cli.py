@@ -10,10 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_BAD_INPUT = 2
-EXIT_HALT = 3
+from grpod.daemon.exitcodes import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"grpod {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

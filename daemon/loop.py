@@ -24,6 +24,7 @@ from sqlalchemy import func, select
 from grpod.daemon import logs
 from grpod.daemon.config import GrpodConfig, load_config
 from grpod.daemon.errors import ConfigError
+from grpod.daemon.exitcodes import EXIT_FAILURE, EXIT_HALT, EXIT_OK, exit_by_signal
 from grpod.daemon.health import Health, HealthServer
 from grpod.daemon.metrics import Metrics, mark_process_dead, serving_registry
 from grpod.daemon.notify import Notifier
@@ -35,7 +36,6 @@ from grpod.forensics.models import Step
 from grpod.forensics.recorder import FlightRecorder
 from grpod.guards import Action, GuardPolicy, guarded_step
 
-EXIT_OK, EXIT_FAILURE, EXIT_HALT = 0, 1, 3
 STATUS_INTERVAL_SECONDS = 1.0  # status.json and STATUS= at most this often while running
 
 
@@ -315,7 +315,7 @@ class Daemon:
         """A second stop signal: no checkpoint; the next start re-runs from the last one."""
         signum = self.signals.abandon_signal or signal.SIGTERM
         reason = f"second {signal.Signals(signum).name}: {what}, exiting without a checkpoint"
-        return self._shutdown(128 + signum, reason, checkpoint=False)
+        return self._shutdown(exit_by_signal(signum), reason, checkpoint=False)
 
     def _linger(self) -> None:
         """Keep /metrics up (with /healthz 503) for `linger_seconds`; a new stop signal ends it."""

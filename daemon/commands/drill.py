@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from grpod.daemon.exitcodes import EXIT_FAILURE, EXIT_OK
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from grpod.guards import DRILLS
@@ -36,4 +38,4 @@ def _drill(args: argparse.Namespace) -> int:
             f"over {result['clean_steps']} clean steps, policy untouched: "
             f"{result['policy_untouched']} ({result['seconds']:.1f} s)"
         )
-    return 0 if result["ok"] else 1
+    return EXIT_OK if result["ok"] else EXIT_FAILURE

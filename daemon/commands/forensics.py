@@ -11,6 +11,8 @@ import json
 import sys
 from typing import Any
 
+from grpod.daemon.exitcodes import EXIT_FAILURE, EXIT_OK
+
 DEFAULT_RUN_DIR = "var/grpod/latest"
 
 
@@ -86,7 +88,7 @@ def _replay(args: argparse.Namespace) -> int:
         progress.done()
     if args.json:
         print(json.dumps(result.to_dict()))
-        return 0 if result.reproduced else 1
+        return EXIT_OK if result.reproduced else EXIT_FAILURE
     where = (
         f"incident {args.incident}, step {result.step}" if args.incident else f"step {result.step}"
     )
@@ -115,7 +117,7 @@ def _replay(args: argparse.Namespace) -> int:
                 f"{row['recorded_loss_sum']!r:<24} {row['replayed_loss_sum']!r:<24} "
                 f"{row['replayed_counter_after']}{mark}"
             )
-    return 0 if result.reproduced else 1
+    return EXIT_OK if result.reproduced else EXIT_FAILURE
 
 
 def _incidents_list(args: argparse.Namespace) -> int:
@@ -178,7 +180,7 @@ def _fsck(args: argparse.Namespace) -> int:
             print(f"note: {line}")
         state = "ok" if report.ok else f"{len(report.problems)} problems"
         print(f"fsck: {report.blobs_checked} blobs checked, {state}")
-    return 0 if report.ok else 1
+    return EXIT_OK if report.ok else EXIT_FAILURE
 
 
 def _gc(args: argparse.Namespace) -> int:

@@ -37,7 +37,8 @@ def _run(args: argparse.Namespace) -> int:
         overrides["linger_seconds"] = args.linger
     plan = resolve_plan(args.config, args.run_dir, overrides)  # reads only; ConfigError -> 2
 
-    from grpod.daemon.loop import EXIT_HALT, EXIT_OK, Daemon
+    from grpod.daemon.exitcodes import EXIT_HALT, EXIT_OK
+    from grpod.daemon.loop import Daemon
 
     code = Daemon(plan).run()
     if code in (EXIT_OK, EXIT_HALT):
