@@ -19,7 +19,6 @@ import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from sqlalchemy import func, select
 
 from grpod.daemon import logs
 from grpod.daemon.config import GrpodConfig, load_config
@@ -32,7 +31,6 @@ from grpod.daemon.progress import Progress, wanted
 from grpod.daemon.rundir import Plan, link_latest
 from grpod.daemon.signals import AbandonStep, Signals
 from grpod.engine import Engine
-from grpod.forensics.models import Step
 from grpod.forensics.recorder import FlightRecorder
 from grpod.guards import Action, GuardPolicy, guarded_step
 
@@ -142,13 +140,11 @@ class Daemon:
     def _restore(self) -> int | None:
         """Restore the latest checkpoint the store noted; returns its step (None: fresh)."""
         store = self.recorder.store
-        with store.session() as session:
-            checkpoints = store.checkpoints(session)
-            runs = store.run_ids(session)
-            last = session.scalar(select(func.max(Step.step)).where(Step.run_id.in_(runs)))
-        self.last_recorded = -1 if last is None else int(last)
+        checkpoints = store.noted_checkpoints()
+        last = store.last_recorded_step()
+        self.last_recorded = -1 if last is None else last
         for checkpoint in reversed(checkpoints):
-            path = store.checkpoint_path(checkpoint)
+            path = checkpoint.path
             if not path.is_dir():
                 self.log.warning("checkpoint missing", step=checkpoint.step, path=str(path))
                 continue

@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, inspect, make_url, select, text
+from sqlalchemy import Engine, create_engine, event, func, inspect, make_url, select, text
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -23,6 +24,46 @@ from grpod.forensics.models import Checkpoint, Incident, Run, Step
 
 SQLITE_NAME = "grpod.sqlite"
 ALEMBIC_INI = Path(__file__).with_name("alembic.ini")
+
+
+# Typed, detached results for readers outside forensics/ (which never see SQL or a session).
+@dataclass(frozen=True)
+class NotedCheckpoint:
+    step: int  # the engine cursor when it was saved
+    path: Path  # absolute (a relative record is resolved against the run dir)
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """The last record of one step: the numbers `grpod plot` draws (None: not finite)."""
+
+    step: int
+    outcome: str  # applied | flushed | skipped
+    valid_tokens: int
+    expected_valid_tokens: int
+    loss: float | None
+    reward_mean: float | None
+    reward_std: float | None
+    grad_norm: float | None
+
+
+@dataclass(frozen=True)
+class IncidentMark:
+    id: int
+    step: int
+    action: str  # WARN | FLUSH | HALT
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """Recorded steps of a run directory by outcome, its re-runs, last record and incidents."""
+
+    outcomes: dict[str, int]
+    reruns: int
+    last_step: int | None
+    last_outcome: str | None
+    last_verdict_action: str | None
+    incident_steps: tuple[int, ...]  # in incident order
 
 
 def resolve_store_url(run_dir: str | os.PathLike, store_url: str = "") -> str:
@@ -213,6 +254,72 @@ class Store:
         ).all()
         latest = {row.step: row for row in rows}
         return [*latest.values(), target]
+
+    # ----------------------------------------------------------------- typed reads
+    def noted_checkpoints(self) -> list[NotedCheckpoint]:
+        """The run directory's checkpoints that retention has not deleted, oldest first."""
+        with self.session() as session:
+            rows = self.checkpoints(session)
+        return [NotedCheckpoint(c.step, self.checkpoint_path(c)) for c in rows]
+
+    def last_recorded_step(self) -> int | None:
+        """The highest step recorded in this run directory (None: none yet)."""
+        with self.session() as session:
+            runs = self.run_ids(session)
+            last = session.scalar(select(func.max(Step.step)).where(Step.run_id.in_(runs)))
+        return None if last is None else int(last)
+
+    def step_points(self) -> list[StepPoint]:
+        """The last record of every recorded step (a re-run's replaces the first), by step."""
+        with self.session() as session:
+            rows = session.execute(
+                select(
+                    Step.step,
+                    Step.outcome,
+                    Step.valid_tokens,
+                    Step.expected_valid_tokens,
+                    Step.loss,
+                    Step.reward_mean,
+                    Step.reward_std,
+                    Step.grad_norm,
+                )
+                .where(Step.run_id.in_(self.run_ids(session)))
+                .order_by(Step.step, Step.id)
+            ).all()
+        last = {row.step: StepPoint(*row) for row in rows}
+        return [last[step] for step in sorted(last)]
+
+    def incident_marks(self) -> list[IncidentMark]:
+        """Every incident of the run directory, oldest first."""
+        with self.session() as session:
+            return [IncidentMark(i.id, i.step, i.action) for i in self.incidents(session)]
+
+    def summary(self) -> RunSummary:
+        """What `grpod status` reports from the store."""
+        with self.session() as session:
+            runs = self.run_ids(session)
+            in_run = Step.run_id.in_(runs)
+            outcomes = session.execute(
+                select(Step.outcome, func.count()).where(in_run).group_by(Step.outcome)
+            ).all()
+            reruns = session.scalar(select(func.count()).where(in_run, Step.rerun.is_(True)))
+            last = session.execute(
+                select(Step.step, Step.outcome, Step.verdict_action)
+                .where(in_run)
+                .order_by(Step.id.desc())
+                .limit(1)
+            ).first()
+            incident_steps = session.scalars(
+                select(Incident.step).where(Incident.run_id.in_(runs)).order_by(Incident.id)
+            ).all()
+        return RunSummary(
+            outcomes={outcome: int(count) for outcome, count in outcomes},
+            reruns=int(reruns or 0),
+            last_step=None if last is None else last.step,
+            last_outcome=None if last is None else last.outcome,
+            last_verdict_action=None if last is None else last.verdict_action,
+            incident_steps=tuple(incident_steps),
+        )
 
     def checkpoint_path(self, checkpoint: Checkpoint) -> Path:
         path = Path(checkpoint.path)

@@ -58,30 +58,21 @@ def load_series(run_dir: str | Path, store_url: str = "") -> RunSeries:
     Raises ForensicsError when there is no store, its schema is not this grpod's, or it
     holds no step.
     """
-    from sqlalchemy import select
-
     from grpod.forensics.errors import ForensicsError
-    from grpod.forensics.models import Step
     from grpod.forensics.store import Store
 
     store = Store(run_dir, store_url, create=False)
     try:
         store.check_schema()
-        with store.session() as session:
-            runs = store.run_ids(session)
-            rows = session.scalars(
-                select(Step).where(Step.run_id.in_(runs)).order_by(Step.step, Step.id)
-            ).all()
-            last = {row.step: row for row in rows}  # a re-run's record replaces the first
-            incidents = [(i.id, i.step, i.action) for i in store.incidents(session)]
+        points = store.step_points()
+        incidents = [(i.id, i.step, i.action) for i in store.incident_marks()]
     finally:
         store.close()
-    if not last:
+    if not points:
         raise ForensicsError(f"run dir {store.run_dir}: no recorded steps to plot")
     series = RunSeries(incidents=incidents)
-    for step in sorted(last):
-        row = last[step]
-        series.steps.append(step)
+    for row in points:
+        series.steps.append(row.step)
         series.outcomes.append(row.outcome)
         # A skipped step computed nothing: its counter, loss and grad norm are not readings.
         computed = row.outcome != "skipped"

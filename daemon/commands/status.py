@@ -54,10 +54,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def store_summary(run_dir: str | os.PathLike, store_url: str = "") -> dict[str, Any] | None:
     """Recorded steps by outcome, re-runs, incidents, the last step; None without a store."""
-    from sqlalchemy import func, select
-
     from grpod.forensics.errors import ForensicsError
-    from grpod.forensics.models import Incident, Step
     from grpod.forensics.store import Store
 
     try:
@@ -65,36 +62,20 @@ def store_summary(run_dir: str | os.PathLike, store_url: str = "") -> dict[str, 
     except ForensicsError:
         return None
     try:
-        with store.session() as session:
-            runs = store.run_ids(session)
-            in_run = Step.run_id.in_(runs)
-            outcomes = dict(
-                session.execute(
-                    select(Step.outcome, func.count()).where(in_run).group_by(Step.outcome)
-                ).all()
-            )
-            reruns = session.scalar(select(func.count()).where(in_run, Step.rerun.is_(True)))
-            last = session.scalars(
-                select(Step).where(in_run).order_by(Step.id.desc()).limit(1)
-            ).first()
-            incident_steps = list(
-                session.scalars(
-                    select(Incident.step).where(Incident.run_id.in_(runs)).order_by(Incident.id)
-                )
-            )
+        summary = store.summary()
     except ForensicsError:
         return None
     finally:
         store.close()
     return {
         "store": store.url,
-        "outcomes": outcomes,
-        "reruns": int(reruns or 0),
-        "last_step": None if last is None else last.step,
-        "last_outcome": None if last is None else last.outcome,
-        "last_verdict_action": None if last is None else last.verdict_action,
-        "incidents": len(incident_steps),
-        "incident_steps": incident_steps,
+        "outcomes": summary.outcomes,
+        "reruns": summary.reruns,
+        "last_step": summary.last_step,
+        "last_outcome": summary.last_outcome,
+        "last_verdict_action": summary.last_verdict_action,
+        "incidents": len(summary.incident_steps),
+        "incident_steps": list(summary.incident_steps),
     }
 
 

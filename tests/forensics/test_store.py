@@ -16,6 +16,7 @@ from sqlalchemy import func, select, text
 from grpod.engine import StepReport, TransportBatch
 from grpod.forensics import BlobStore, FlightRecorder, ForensicsConfig, ForensicsError, Store
 from grpod.forensics.models import Base, Blob, Checkpoint, Incident, Run, Step
+from grpod.forensics.store import NotedCheckpoint, RunSummary
 from tests.reports import make_report
 
 
@@ -224,4 +225,43 @@ def test_shared_store_scopes_runs_by_run_dir(tmp_path: Path, pg_store_url: str) 
         assert store.run_ids(session) == ["r2"]
         assert store.incidents(session) == []
         assert len(session.scalars(select(Incident)).all()) == 1
+    store.close()
+
+
+def test_typed_reads_of_a_run_dir(tmp_path: Path, store_url: str) -> None:
+    """What the daemon, `grpod status` and `grpod plot` read, without SQL of their own."""
+    empty = tmp_path / "empty"
+    FlightRecorder(empty, ForensicsConfig(store_url=store_url)).close()
+    store = Store(empty, store_url, create=False)
+    assert store.last_recorded_step() is None and store.step_points() == []
+    assert store.summary() == RunSummary({}, 0, None, None, None, ())
+    store.close()
+
+    record_steps(tmp_path, store_url, [PASS, WARN, FLUSH])
+    recorder = FlightRecorder(tmp_path, ForensicsConfig(store_url=store_url))
+    recorder.start_run("r1", {"engine": {}, "guards": {}}, {}, "cpu")  # resumed: step 2 again
+    recorder.record(tiny_batch(2), tiny_report(2, loss=0.5), PASS, "applied", rerun=True)
+    recorder.close()
+    store = Store(tmp_path, store_url, create=False)
+    assert store.last_recorded_step() == 2
+    assert store.noted_checkpoints() == [
+        NotedCheckpoint(0, tmp_path.resolve() / "checkpoints" / "step-00000000")
+    ]
+    points = store.step_points()
+    assert [(p.step, p.outcome, p.loss) for p in points] == [
+        (0, "applied", 0.25),
+        (1, "applied", 0.25),
+        (2, "applied", 0.5),  # the re-run's record replaces the flushed one
+    ]
+    assert (points[0].valid_tokens, points[0].expected_valid_tokens) == (8, 8)
+    assert (points[0].grad_norm, points[0].reward_mean) == (1.5, tiny_report(0).reward_mean)
+    assert [(m.step, m.action) for m in store.incident_marks()] == [(1, "WARN"), (2, "FLUSH")]
+    assert store.summary() == RunSummary(
+        outcomes={"applied": 3, "flushed": 1},
+        reruns=1,
+        last_step=2,
+        last_outcome="applied",
+        last_verdict_action="PASS",
+        incident_steps=(1, 2),
+    )
     store.close()
