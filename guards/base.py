@@ -10,13 +10,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
-from grpod.engine import StepReport, TransportBatch
 from grpod.guards.errors import GuardsError
 from grpod.guards.verdict import Action, Finding
+
+if TYPE_CHECKING:  # annotations only: `grpod plot` uses the correlation without torch
+    from grpod.engine import StepReport, TransportBatch
 
 
 class Guard:
@@ -84,20 +86,6 @@ class Window:
 
 def is_finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
-
-
-def pearson(xs: list[float], ys: list[float]) -> float | None:
-    """Pearson correlation in FP64; None with fewer than 2 points or a constant series."""
-    n = len(xs)
-    if n < 2 or n != len(ys):
-        return None
-    mx, my = math.fsum(xs) / n, math.fsum(ys) / n
-    sxx = math.fsum((x - mx) ** 2 for x in xs)
-    syy = math.fsum((y - my) ** 2 for y in ys)
-    if sxx <= 0.0 or syy <= 0.0:
-        return None
-    sxy = math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    return max(-1.0, min(1.0, sxy / math.sqrt(sxx * syy)))
 
 
 def load_floats(state: dict[str, Any], key: str, guard: str) -> list[float]:

@@ -8,11 +8,33 @@ pre-clip grad norm does not follow 1 / valid_tokens; with a counter that reads o
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from grpod.engine import StepReport, TransportBatch
-from grpod.guards.base import Guard, Window, load_floats, pearson
+from grpod.guards.base import Guard, Window, load_floats
 from grpod.guards.verdict import Finding
+
+if TYPE_CHECKING:  # annotations only: `grpod plot` uses the correlation without torch
+    from grpod.engine import StepReport, TransportBatch
+
+
+def pearson(xs: list[float], ys: list[float]) -> float | None:
+    """Pearson correlation in FP64; None with fewer than 2 points or a constant series."""
+    n = len(xs)
+    if n < 2 or n != len(ys):
+        return None
+    mx, my = math.fsum(xs) / n, math.fsum(ys) / n
+    sxx = math.fsum((x - mx) ** 2 for x in xs)
+    syy = math.fsum((y - my) ** 2 for y in ys)
+    if sxx <= 0.0 or syy <= 0.0:
+        return None
+    sxy = math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    return max(-1.0, min(1.0, sxy / math.sqrt(sxx * syy)))
+
+
+def is_evidence(grad_norm: float, valid_tokens: float) -> bool:
+    """Whether a step says anything about the token scale of its gradient: it has valid
+    tokens and a finite, non-zero grad norm (0 means every advantage was 0)."""
+    return valid_tokens > 0 and math.isfinite(grad_norm) and grad_norm > 0.0
 
 
 class GradNormVTCCorrelationGuard(Guard):
@@ -35,11 +57,7 @@ class GradNormVTCCorrelationGuard(Guard):
         self.value = self._compute()
 
     def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
-        grad_norm = report.grad_norm
-        if report.valid_tokens > 0 and math.isfinite(grad_norm) and grad_norm > 0.0:
-            self.grad_norms.append(grad_norm)
-            self.inverse_valid.append(1.0 / report.valid_tokens)
-            self.value = self._compute()
+        self.observe(report.grad_norm, report.valid_tokens)
         if self.value is None or self.value <= self.config.threshold:
             return []
         return [
@@ -51,6 +69,13 @@ class GradNormVTCCorrelationGuard(Guard):
                 threshold=self.config.threshold,
             )
         ]
+
+    def observe(self, grad_norm: float, valid_tokens: float) -> None:
+        """Take one step's reading into the window (`grpod plot` replays a run through this)."""
+        if is_evidence(grad_norm, valid_tokens):
+            self.grad_norms.append(grad_norm)
+            self.inverse_valid.append(1.0 / valid_tokens)
+            self.value = self._compute()
 
     def _compute(self) -> float | None:
         if len(self.grad_norms) < self.config.min_steps:

@@ -7,7 +7,9 @@ and its incidents; writes, into `--out`:
 - `learning.png`: reward mean ± std and loss per step;
 - `outcomes.png`: each step's outcome (applied / flushed / skipped) with incidents marked;
 - `accounting.png`: valid tokens, engine counter vs host-side loss-mask sum, per step;
-- `gradnorm.png`: pre-clip grad norm against 1/valid tokens (the reversed-chunk signature);
+- `gradnorm.png`: pre-clip grad norm against 1/valid tokens (the reversed-chunk signature),
+  titled with the correlation the `gradnorm_vtc_correlation` guard held after the last step
+  (its window, minimum and rule of which steps count, from the run's config.toml);
 - `overview.png`: the four views on one page.
 
 Rendering uses matplotlib's Agg canvas through `Figure` objects (no pyplot global state).
@@ -19,7 +21,10 @@ import argparse
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from grpod.guards.config import CorrelationConfig
 
 OUTCOME_COLORS = {"applied": "#2ca02c", "flushed": "#ff7f0e", "skipped": "#1f77b4"}
 OUTCOME_LEVELS = {"applied": 0, "flushed": 1, "skipped": 2}
@@ -50,6 +55,7 @@ class RunSeries:
     reward_std: list[float] = field(default_factory=list)
     grad_norm: list[float] = field(default_factory=list)
     incidents: list[tuple[int, int, str]] = field(default_factory=list)  # (id, step, action)
+    correlation: CorrelationConfig | None = None  # the run's guard section (None: defaults)
 
 
 def load_series(run_dir: str | Path, store_url: str = "") -> RunSeries:
@@ -70,7 +76,7 @@ def load_series(run_dir: str | Path, store_url: str = "") -> RunSeries:
         store.close()
     if not points:
         raise ForensicsError(f"run dir {store.run_dir}: no recorded steps to plot")
-    series = RunSeries(incidents=incidents)
+    series = RunSeries(incidents=incidents, correlation=_correlation_config(run_dir))
     for row in points:
         series.steps.append(row.step)
         series.outcomes.append(row.outcome)
@@ -83,6 +89,27 @@ def load_series(run_dir: str | Path, store_url: str = "") -> RunSeries:
         series.reward_std.append(_num(row.reward_std))
         series.grad_norm.append(_num(row.grad_norm) if computed else math.nan)
     return series
+
+
+def _correlation_config(run_dir: str | Path) -> CorrelationConfig | None:
+    """The run's `[guards.gradnorm_vtc_correlation]` (None without a config.toml)."""
+    from grpod.daemon.config import load_config
+    from grpod.daemon.rundir import RunDir
+
+    path = RunDir(run_dir).config_path
+    return load_config(path).guards.gradnorm_vtc_correlation if path.is_file() else None
+
+
+def gradnorm_correlation(series: RunSeries) -> tuple[float | None, int]:
+    """What the guard read after the last step: its correlation (None under `min_steps`) and
+    the number of steps in its window, replayed through the guard itself."""
+    from grpod.guards.config import CorrelationConfig
+    from grpod.guards.correlation import GradNormVTCCorrelationGuard
+
+    guard = GradNormVTCCorrelationGuard(series.correlation or CorrelationConfig())
+    for grad_norm, valid_tokens in zip(series.grad_norm, series.valid_tokens):
+        guard.observe(grad_norm, valid_tokens)
+    return guard.value, len(guard.grad_norms)
 
 
 def _num(value: Any) -> float:
@@ -162,19 +189,26 @@ def draw_accounting(series: RunSeries, ax: Any) -> None:
 
 
 def draw_gradnorm(series: RunSeries, ax: Any) -> None:
-    """Pre-clip grad norm against 1/valid tokens, by outcome, with Pearson r in the title."""
+    """Pre-clip grad norm against 1/valid tokens, by outcome, for the steps the correlation
+    guard counts; the guard's Pearson r in the title."""
+    from grpod.guards.correlation import is_evidence
+
     points = [
         (1.0 / v, g, o)
         for v, g, o in zip(series.valid_tokens, series.grad_norm, series.outcomes)
-        if v > 0 and math.isfinite(g)
+        if is_evidence(g, v)
     ]
     for outcome, color in OUTCOME_COLORS.items():
         xs = [(x, g) for x, g, o in points if o == outcome]
         if xs:
             ax.scatter(*zip(*xs), s=14, color=color, alpha=0.8, label=outcome)
-    r = pearson([x for x, _, _ in points], [g for _, g, _ in points])
+    r, window = gradnorm_correlation(series)
     r_text = "n/a" if r is None else f"{r:.2f}"
-    ax.set_title(f"grad norm vs 1/valid tokens (r = {r_text}, n = {len(points)})", fontsize=10)
+    ax.set_title(
+        f"grad norm vs 1/valid tokens (guard r = {r_text} over the last {window} "
+        f"of {len(points)} steps)",
+        fontsize=10,
+    )
     ax.set_xlabel("1 / valid tokens")
     ax.set_ylabel("pre-clip grad norm")
     ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 2))
@@ -188,20 +222,6 @@ def _shade_flushed(series: RunSeries, ax: Any) -> None:
     for n, step in enumerate(flushed):
         ax.axvspan(step - 0.5, step + 0.5, color=OUTCOME_COLORS["flushed"], alpha=0.25, lw=0,
                    label="flushed" if n == 0 else None)  # fmt: skip
-
-
-def pearson(xs: list[float], ys: list[float]) -> float | None:
-    """Pearson correlation of two equal-length lists; None under 3 points or no variance."""
-    n = len(xs)
-    if n < 3:
-        return None
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    sxx = sum((x - mx) ** 2 for x in xs)
-    syy = sum((y - my) ** 2 for y in ys)
-    if sxx <= 0 or syy <= 0:
-        return None
-    return sxy / math.sqrt(sxx * syy)
 
 
 # ---------------------------------------------------------------------------- files

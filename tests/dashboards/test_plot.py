@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
 from grpod.daemon.cli import main
-from grpod.daemon.commands.plot import load_series, pearson
+from grpod.daemon.commands.plot import RunSeries, gradnorm_correlation, load_series
+from grpod.guards.config import CorrelationConfig
+from grpod.guards.correlation import GradNormVTCCorrelationGuard
 from tests.dashboards.conftest import MAX_STEPS, DaemonRun
+from tests.guards.helpers import batch, report
 
 PNGS = ("learning.png", "outcomes.png", "accounting.png", "gradnorm.png", "overview.png")
 
@@ -54,11 +58,24 @@ def test_plot_bad_run_dir_is_one_line_exit_2(
     assert not (tmp_path / "o").exists()
 
 
-def test_pearson() -> None:
-    assert pearson([1, 2, 3, 4], [2, 4, 6, 8]) == pytest.approx(1.0)
-    assert pearson([1, 2, 3, 4], [8, 6, 4, 2]) == pytest.approx(-1.0)
-    assert pearson([1, 2], [1, 2]) is None  # too few points
-    assert pearson([1, 1, 1], [1, 2, 3]) is None  # no variance
+def test_the_plot_reads_the_correlation_the_guard_held() -> None:
+    """The plot's r is the guard's own after the run's steps: its window, its minimum, its
+    rule of which steps count (no grad norm, a zero one or no valid tokens do not)."""
+    valid = [100.0, 50.0, 25.0, 80.0, math.nan, 40.0, 20.0, 10.0, 0.0]
+    grad = [0.01, 0.02, 0.04, 0.0, math.nan, 0.03, 0.06, math.nan, 1.0]
+    outcomes = ["applied"] * 3 + ["applied", "skipped", "applied", "applied", "flushed", "flushed"]
+    steps = list(range(len(valid)))
+    series = RunSeries(steps=steps, outcomes=outcomes, valid_tokens=valid, grad_norm=grad)
+    for config in (CorrelationConfig(window=4, min_steps=3), CorrelationConfig(min_steps=5)):
+        guard = GradNormVTCCorrelationGuard(config)
+        for v, g in zip(valid, grad):
+            if v == v:  # a skipped step computed nothing: no report reaches the guard
+                guard.after(batch(), report(grad_norm=g, valid_tokens=int(v)))
+        series.correlation = config
+        assert gradnorm_correlation(series) == (guard.value, len(guard.grad_norms))
+    assert gradnorm_correlation(series)[1] == 5  # five steps count, the 0.0 grad norm does not
+    series.correlation = None  # no config.toml: the guard's defaults, 16 steps before a value
+    assert gradnorm_correlation(series) == (None, 5)
 
 
 def test_plot_shows_the_accounting_fault_of_a_halted_run(

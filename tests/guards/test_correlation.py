@@ -4,7 +4,7 @@ import pytest
 
 from grpod.guards import Action
 from grpod.guards.config import CorrelationConfig
-from grpod.guards.correlation import GradNormVTCCorrelationGuard
+from grpod.guards.correlation import GradNormVTCCorrelationGuard, pearson
 from tests.guards.helpers import batch, report
 
 
@@ -68,3 +68,13 @@ def test_window_is_bounded_and_survives_a_reload() -> None:
     assert len(guard.grad_norms) == 64
     guard.configure(CorrelationConfig(window=32, min_steps=16))
     assert len(guard.grad_norms) == 32 and guard.value == pytest.approx(1.0)
+
+
+def test_pearson() -> None:
+    """The one Pearson correlation (the guard's; `grpod plot` uses it through the guard)."""
+    assert pearson([1, 2, 3, 4], [2, 4, 6, 8]) == pytest.approx(1.0)
+    assert pearson([1, 2, 3, 4], [8, 6, 4, 2]) == pytest.approx(-1.0)
+    assert pearson([1], [1]) is None  # too few points
+    assert pearson([1, 2, 3], [1, 2]) is None  # unequal lengths
+    assert pearson([1, 1, 1], [1, 2, 3]) is None  # no variance
+    assert pearson([1e8 + 1, 1e8 + 2, 1e8 + 3], [3, 2, 1]) == -1.0  # FP64, clamped to [-1, 1]
