@@ -265,17 +265,21 @@ class FlightRecorder:
         or HOLD_BYTES are held (then they are staged into temp files, out of memory)."""
         if not self._group:
             self._group_deadline = time.monotonic() + self.config.commit_interval_seconds
-        self._group.append(item)
         self._held += 1
         self._held_bytes += sum(t.nbytes for t in item.batch.tensors().values())
         if self._held >= self.config.queue_size or self._held_bytes > HOLD_BYTES:
-            self._stage_held()  # memory: at most queue_size batches queued and as many held
+            self._stage_held(item)  # memory: at most queue_size batches queued and as many held
+        else:
+            self._group.append(item)
         opened = action_rank(item.verdict["action"]) >= self.incident_rank
         if opened or len(self._group) >= self.config.commit_every_steps:
             self._commit()  # an incident is durable as soon as the writer reaches it
 
-    def _stage_held(self) -> None:
-        self._group = [self._stage(x) if isinstance(x, _StepItem) else x for x in self._group]
+    def _stage_held(self, *new: _StepItem) -> None:
+        """Stage the held batches (and `new`), then publish the group in one assignment: a
+        step counts in `uncommitted_steps` once it is held in memory or its file is staged."""
+        group = [*self._group, *new]
+        self._group = [self._stage(x) if isinstance(x, _StepItem) else x for x in group]
         self._held = self._held_bytes = 0
 
     def _stage(self, item: _StepItem) -> _Staged:
