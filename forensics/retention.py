@@ -142,7 +142,7 @@ def gc(
             other_runs = set(
                 session.scalars(select(Step.batch_digest).where(Step.run_id.not_in(runs)))
             )
-            sizes = dict(session.execute(select(Blob.sha256, Blob.size)).tuples().all())
+            sizes = dict(session.execute(select(Blob.sha256, Blob.size)).all())
             ckpt_bytes = {c.id: _dir_bytes(store.checkpoint_path(c)) for c in retained}
 
             def keep(start: int) -> set[str | None]:

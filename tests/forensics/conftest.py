@@ -84,7 +84,7 @@ def blob_rows(run_dir: Path) -> dict[str, str]:
     """digest -> path ("" when inline) of every blob row."""
     store = Store(run_dir, create=False)
     with store.session() as session:
-        rows = dict(session.execute(select(Blob.sha256, Blob.path)).tuples().all())
+        rows = dict(session.execute(select(Blob.sha256, Blob.path)).all())
     store.close()
     return rows
 
