@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save
 
-from grpod.fileio import fsync_dir, fsync_file
+from grpod.fileio import fsync
 from grpod.forensics.errors import ForensicsError
 
 BLOB_DIR = Path("blobs") / "sha256"
@@ -159,11 +159,11 @@ class BlobStore:
         place, then fsync the directory once. A digest staged twice is published once."""
         unique = list({b.digest: b for b in staged if b.temp is not None}.values())
         for blob in unique:
-            fsync_file(blob.temp)  # the file's bytes are on disk before its name is
+            fsync(blob.temp)  # the file's bytes are on disk before its name is
         for blob in unique:
             os.replace(blob.temp, self.path(blob.digest))
         if unique:
-            fsync_dir(self.root)
+            fsync(self.root)
 
     def read(
         self, digest: str, data: bytes | None = None

@@ -2,8 +2,8 @@
 
 A reader (or a process started after a crash) sees the old content or the new, never half of
 it. The temporary name is `.<name>.tmp-<pid>`: hidden, and attributable to the process that
-left it. `fsync_file` and `fsync_dir` are the pieces, for writers that batch them (the blob
-store publishes a group of staged files with one directory fsync).
+left it. `fsync` is the piece, for writers that batch it (the blob store publishes a group of
+staged files with one directory fsync).
 """
 
 from __future__ import annotations
@@ -21,17 +21,8 @@ def temp_path(path: str | os.PathLike) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def fsync_file(path: str | os.PathLike) -> None:
-    """Put a file's bytes on disk (before its name is published)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a rename or a new file in directory `path` durable."""
+def fsync(path: str | os.PathLike) -> None:
+    """Put a file's bytes, or a directory's entries (a rename or a new file in it), on disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -48,13 +39,13 @@ def atomic_file(path: str | os.PathLike, *, durable: bool = True) -> Iterator[Pa
     try:
         yield tmp
         if durable:
-            fsync_file(tmp)
+            fsync(tmp)
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if durable:
-        fsync_dir(final.parent)
+        fsync(final.parent)
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes, *, durable: bool = True) -> None:
@@ -77,16 +68,13 @@ def atomic_dir(path: str | os.PathLike, *, replace: bool = False) -> Iterator[Pa
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        for file in tmp.rglob("*"):
-            if file.is_file():
-                fsync_file(file)
-            elif file.is_dir():
-                fsync_dir(file)
-        fsync_dir(tmp)
+        for entry in [*tmp.rglob("*"), tmp]:  # every file's bytes, every directory's names
+            if entry.is_file() or entry.is_dir():
+                fsync(entry)
         if replace and final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    fsync_dir(final.parent)
+    fsync(final.parent)
