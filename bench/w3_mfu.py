@@ -18,6 +18,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 from common import THREADS, build_hf_tokenizer, build_model, emit, engine_config, peak_rss_mib
@@ -31,14 +32,21 @@ W3_MODEL = dict(
 )
 
 
-def matmul_flops_per_s(n: int = 1024, repeats: int = 5) -> float:
-    """FP32 FLOP/s of an n x n x n torch matmul (median of `repeats` timings)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_flops_per_s(
+    n: int = 1024, repeats: int = 5, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> float:
+    """FLOP/s of an n x n x n torch matmul of `dtype` on `device` (median of `repeats`
+    timings; on CUDA each timing waits for the product, on random data, never zeros)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     a @ b
+    sync()
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         a @ b
+        sync()
         times.append(time.perf_counter() - started)
     return 2 * n**3 / statistics.median(times)
 
@@ -77,25 +85,27 @@ def training_flops(engine, batch) -> tuple[float, int]:
     return flops, tokens
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
-    args = parser.parse_args()
-    torch.set_num_threads(THREADS)
+def w3_engine(model_dir: str, **overrides):
+    """The engine on W3's settings (8 prompts x 8 completions, 32 new tokens) over the
+    model saved in `model_dir`."""
     from grpod.engine import Engine
 
-    with tempfile.TemporaryDirectory() as model_dir:
-        build_model(**W3_MODEL).save_pretrained(model_dir)
-        build_hf_tokenizer().save_pretrained(model_dir)
-        engine = Engine(
-            engine_config(
-                "arith", model=model_dir, max_new_tokens=32, prompts_per_step=8, group_size=8
-            )
-        )
+    settings = dict(max_new_tokens=32, prompts_per_step=8, group_size=8)
+    return Engine(engine_config("arith", model=model_dir, **{**settings, **overrides}))
+
+
+def save_w3_model(model_dir: str, **shape) -> None:
+    """W3's Qwen2 (torch seed 0; `shape` overrides it) and the local tokenizer, saved."""
+    build_model(**{**W3_MODEL, **shape}).save_pretrained(model_dir)
+    build_hf_tokenizer().save_pretrained(model_dir)
+
+
+def measure(engine, steps: int, peak: Callable[[], float]) -> dict:
+    """`steps` W3 steps; the training pass's FLOP/s against `peak()` timed before each."""
     params = sum(p.numel() for p in engine.model.parameters())
     step_s, grad_s, achieved, peaks, rewards, tokens_out, run_tokens = [], [], [], [], [], [], []
-    for _ in range(args.steps):
-        peaks.append(matmul_flops_per_s())
+    for _ in range(steps):
+        peaks.append(peak())
         started = time.perf_counter()
         batch = engine.rollout()
         report = engine.accumulate(batch)
@@ -107,33 +117,41 @@ def main() -> None:
         rewards.append(report.reward_mean)
         tokens_out.append(int(batch.completion_lengths.sum()))
         run_tokens.append(tokens)
-    window = slice(2, None)  # steps 3..N
+    window = slice(2, None) if steps > 2 else slice(None)  # steps 3..N
     median_step = statistics.median(step_s[window])
     median_achieved = statistics.median(achieved[window])
     median_peak = statistics.median(peaks)
-    emit(
-        {
-            "workload": "W3",
-            "steps": args.steps,
-            "params": params,
-            "grpod": {
-                "median_s_per_step": round(median_step, 4),
-                "completions_per_s": round(64 / median_step, 1),
-                "completion_tokens_per_s": round(
-                    statistics.mean(tokens_out[window]) / median_step, 1
-                ),
-                "peak_rss_mib": round(peak_rss_mib(), 1),
-                "reward_first5": round(statistics.mean(rewards[:5]), 4),
-                "reward_last5": round(statistics.mean(rewards[-5:]), 4),
-                "median_grad_s": round(statistics.median(grad_s[window]), 4),
-                "trunk_tokens_per_step": round(statistics.mean(run_tokens[window]), 1),
-            },
-            "achieved_gflop_per_s": round(median_achieved / 1e9, 2),
-            "matmul_peak_gflop_per_s": round(median_peak / 1e9, 2),
-            "mfu": round(median_achieved / median_peak, 3),
-            "peak_matmul": "fp32 1024x1024x1024, median of 5, timed before every step",
-        }
-    )
+    return {
+        "workload": "W3",
+        "steps": steps,
+        "params": params,
+        "grpod": {
+            "median_s_per_step": round(median_step, 4),
+            "completions_per_s": round(len(batch.rewards) / median_step, 1),
+            "completion_tokens_per_s": round(statistics.mean(tokens_out[window]) / median_step, 1),
+            "peak_rss_mib": round(peak_rss_mib(), 1),
+            "reward_first5": round(statistics.mean(rewards[:5]), 4),
+            "reward_last5": round(statistics.mean(rewards[-5:]), 4),
+            "median_grad_s": round(statistics.median(grad_s[window]), 4),
+            "trunk_tokens_per_step": round(statistics.mean(run_tokens[window]), 1),
+        },
+        "achieved_gflop_per_s": round(median_achieved / 1e9, 2),
+        "matmul_peak_gflop_per_s": round(median_peak / 1e9, 2),
+        "mfu": round(median_achieved / median_peak, 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    torch.set_num_threads(THREADS)
+    with tempfile.TemporaryDirectory() as model_dir:
+        save_w3_model(model_dir)
+        engine = w3_engine(model_dir)
+    record = measure(engine, args.steps, matmul_flops_per_s)
+    record["peak_matmul"] = "fp32 1024x1024x1024, median of 5, timed before every step"
+    emit(record)
 
 
 if __name__ == "__main__":

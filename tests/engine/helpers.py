@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from grpod.engine import EngineConfig, TransportBatch
@@ -20,8 +22,12 @@ W2 = dict(
 )
 
 
+# the GPU node check (bench/gpu_check.py) runs the engine tests with GRPOD_TEST_DEVICE=cuda
+DEVICE = os.environ.get("GRPOD_TEST_DEVICE", "cpu")
+
+
 def config(**overrides: object) -> EngineConfig:
-    return EngineConfig.model_validate({**TINY, **overrides})
+    return EngineConfig.model_validate({**TINY, "device": DEVICE, **overrides})
 
 
 def hand_batch(
