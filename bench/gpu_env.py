@@ -4,8 +4,8 @@ A GPU node brings its own torch (and CUDA, transformers, ...) and no network. Th
 the node's packages through a `.pth` file (`site.addsitedir`, so their own `.pth` files work
 too), installs from the carried wheel directory only what is missing or older there, and
 makes grpod importable from this checkout the way pyproject.toml's package-dir maps it
-(symbolic links: no build, no setuptools needed). `grpod`, `pytest` and `torchrun` are
-scripts beside the venv's python, where the tests look for `grpod`.
+(a finder in the venv's start-up module: no build, no setuptools needed). `grpod`, `pytest`
+and `torchrun` are scripts beside the venv's python, where the tests look for `grpod`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,36 @@ def pip_install(python: str) -> list[str]:
     return [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
 
 
+BOOT = "_grpod_gpu_check"
+# the venv's start-up module: the node's site directories (their .pth files too, except an
+# editable grpod's), then grpod from this checkout as pyproject.toml's package-dir maps it
+BOOT_MODULE = '''"""Written by bench/gpu_env.py for the GPU node check."""
+import importlib.util, os, site, sys
+
+for directory in {outer!r}:
+    if directory not in sys.path:
+        sys.path.append(directory)
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".pth") and not name.startswith(("__editable__.grpod", "_grpod_gpu")):
+            site.addpackage(directory, name, set(sys.path))
+
+PACKAGES = {mapping!r}
+
+
+class GrpodFinder:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        where = PACKAGES.get(name)
+        if where is None:
+            return None
+        init = os.path.join(where, "__init__.py")
+        return importlib.util.spec_from_file_location(
+            name, init, submodule_search_locations=[where]
+        )
+
+
+sys.meta_path.insert(0, GrpodFinder)
+'''
 SCRIPTS = {
     "grpod": "from grpod.daemon.cli import main",
     "pytest": "from pytest import console_main as main",
@@ -115,9 +145,10 @@ def setup_venv(venv: Path, wheel_dir: Path) -> dict[str, Any]:
         ).stdout.strip()
     )
     outer = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
-    source = _link_sources(venv / "grpod-src")
-    lines = [str(source)] + [f"import site; site.addsitedir({p!r})" for p in outer]
-    (purelib / "_grpod_gpu_check.pth").write_text("\n".join(lines) + "\n")
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapping = {name: str(ROOT / d) for name, d in dirs["package-dir"].items()}
+    (purelib / f"{BOOT}.py").write_text(BOOT_MODULE.format(outer=outer, mapping=mapping))
+    (purelib / f"{BOOT}.pth").write_text(f"import {BOOT}\n")
     for script, line in SCRIPTS.items():
         path = venv / "bin" / script
         path.write_text(f"#!{python}\nimport sys\n{line}\nsys.exit(main())\n")
@@ -151,20 +182,6 @@ def setup_venv(venv: Path, wheel_dir: Path) -> dict[str, Any]:
             f"({len(failed)} carried wheels failed to install; scripts/gpu_wheels.sh fetches them)"
         )
     return report
-
-
-def _link_sources(where: Path) -> Path:
-    """`where/grpod/...` as links into this checkout, per pyproject.toml's package-dir."""
-    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    package = where / "grpod"
-    package.mkdir(parents=True)
-    for item in (ROOT / dirs["grpod"]).iterdir():
-        if item.suffix == ".py":
-            (package / item.name).symlink_to(item)
-    for name, directory in dirs.items():
-        if name != "grpod":
-            (package / name.split(".", 1)[1]).symlink_to(ROOT / directory)
-    return where
 
 
 def flashinfer_status() -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from gpu_env import flashinfer_status
+from gpu_numerics import TINY_TRUNK
 from w3_mfu import matmul_flops_per_s, measure, save_w3_model, w3_engine
 
 from grpod.engine.rollout import _filter_top_p
@@ -26,7 +27,7 @@ TOP_P = 0.9
 
 def mfu(dry_run: bool) -> dict[str, Any]:
     if dry_run:
-        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+        shape = TINY_TRUNK
         settings = dict(max_new_tokens=4, prompts_per_step=2, group_size=2, seq_len=16)
         n, steps, device, dtype = 256, 1, "cpu", torch.float32
     else:

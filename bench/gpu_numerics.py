@@ -39,14 +39,14 @@ QWEN2_05B = dict(
     num_attention_heads=14,
     num_key_value_heads=2,
 )
-TINY = dict(
-    vocab_size=512,
+TINY_TRUNK = dict(  # a dry run's trunk, for every section that builds a model
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
 )
+TINY = {"vocab_size": 512, **TINY_TRUNK}
 HIGH_P = 0.88  # ART: BF16 logits zero target gradients from about here
 CONFIDENT_SHARE = 1 / 3  # the temperature is chosen so that this share reaches HIGH_P
 TEMPERATURES = (1.0, 0.5, 0.3, 0.2, 0.15, 0.1, 0.07, 0.05, 0.03)

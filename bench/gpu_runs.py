@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from common import GROUP_SIZE, PROMPTS_PER_STEP, ROOT
+from gpu_numerics import TINY_TRUNK
 from w3_mfu import save_w3_model
 
 GRPOD = str(Path(sys.executable).with_name("grpod"))
@@ -98,8 +99,7 @@ def campaign(dry_run: bool) -> dict[str, Any]:
     steps = 1 if dry_run else 12
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2) if dry_run else {}
-        save_w3_model(str(tmp / "w3-model"), **tiny)
+        save_w3_model(str(tmp / "w3-model"), **(TINY_TRUNK if dry_run else {}))
         w3 = {**W3, "model": str(tmp / "w3-model")}
         if dry_run:
             w3.update(TINY, task="arith")

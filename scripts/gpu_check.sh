@@ -8,7 +8,7 @@
 # It makes a venv over the node's own python (PYTHON, default python3: its torch, CUDA,
 # transformers) at GRPOD_GPU_VENV (default a temporary directory), installs what the node
 # lacks from the carried wheels (--wheels, default .whl; scripts/gpu_wheels.sh fetches them),
-# links this checkout in as grpod, and runs the check there.
+# makes this checkout importable as grpod (no build), and runs the check there.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
