@@ -185,7 +185,8 @@ def _grpod_worker(conn, task: str, overrides: dict) -> None:
         engine.apply()
         seconds = time.perf_counter() - started
         tokens = int(batch.completion_lengths.sum())
-        conn.send(("step", seconds, report.reward_mean, tokens, dict(report.phase_seconds)))
+        phases = engine.take_phase_seconds()
+        conn.send(("step", seconds, report.reward_mean, tokens, phases))
     conn.send(("done", peak_rss_mib()))
 
 

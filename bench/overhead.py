@@ -1,7 +1,7 @@
 """The monitoring path's cost on W1: steps/s with metrics + logs + guards + recorder on, over
 steps/s of the bare engine loop (rollout -> accumulate -> apply), interleaved in one run.
 
-The monitored side is the daemon's own step (`Daemon._step`: guarded_step, Prometheus
+The monitored side is the daemon's own step (`Daemon._step`: decide_step, Prometheus
 metrics, a JSON log line, status, the flight recorder writing every batch to a SQLite store
 with its blobs); the bare side is the engine alone with the same config, so both see the same
 batches. Blocks of steps alternate between the sides (order flipped every round, so drift in

@@ -133,6 +133,7 @@ def phase_medians(engine: Any, step: Callable[[], None], steps: int) -> list[tup
     """Median own seconds per step of each phase of `step()`, largest first."""
     import torch
 
+    import grpod.engine.layout as layout
     import grpod.engine.trainer as trainer
 
     clock = PhaseClock()
@@ -149,8 +150,8 @@ def phase_medians(engine: Any, step: Callable[[], None], steps: int) -> list[tup
     clock.wrap(engine, "_sample", "rollout: sampling, cache, other")
     clock.wrap(trainer, "pack", "rollout: pack")
     clock.wrap(engine, "rollout", "rollout: prompts, rewards, advantages")
-    clock.wrap(trainer, "_layout", "training: trunk layout")
-    clock.wrap(engine, "_run_trunk", "training: trunk forward")
+    clock.wrap(layout, "micro_layout", "training: trunk layout")  # trunk_passes looks it up here
+    clock.wrap(trainer, "run_trunk", "training: trunk forward")
     clock.wrap(engine, "_chunk_losses", "training: head + loss forward")
     clock.wrap(torch.Tensor, "backward", "training: backward")
     clock.wrap(engine, "accumulate", "training: grad scale, norm, report")

@@ -4,7 +4,7 @@
 
 The W3 Qwen2 (hidden 512, intermediate 1536, 8 layers, 8 heads, 4 KV heads, the W1 vocab,
 torch seed 0) is saved to a temporary directory with the local tokenizer and loaded by the
-engine like any local model. Each step's training pass (`phase_seconds["grad"]`: forward,
+engine like any local model. Each step's training pass (`take_phase_seconds()["grad"]`: forward,
 FP32 head, loss and backward over every micro) is timed, and between steps an FP32 square
 matmul is timed in the same process, so both see the same machine load. FLOPs count what the
 trunk actually runs (tokens of the trunk layout: shared prompts once, no unread tails) at
@@ -53,7 +53,7 @@ def matmul_flops_per_s(
 
 def training_flops(engine, batch) -> tuple[float, int]:
     """FLOPs of one training pass over `batch` and the number of tokens the trunk ran."""
-    from grpod.engine.packing import trunk_layout
+    from grpod.engine.layout import trunk_layout
 
     cfg = engine.model.config
     hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
@@ -112,8 +112,9 @@ def measure(engine, steps: int, peak: Callable[[], float]) -> dict:
         engine.apply()
         step_s.append(time.perf_counter() - started)
         flops, tokens = training_flops(engine, batch)
-        grad_s.append(report.phase_seconds["grad"])
-        achieved.append(flops / report.phase_seconds["grad"])
+        grad = engine.take_phase_seconds()["grad"]
+        grad_s.append(grad)
+        achieved.append(flops / grad)
         rewards.append(report.reward_mean)
         tokens_out.append(int(batch.completion_lengths.sum()))
         run_tokens.append(tokens)

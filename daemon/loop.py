@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry
+from torch.distributed.checkpoint.stateful import Stateful
 
 from grpod.daemon import logs
 from grpod.daemon.config import GrpodConfig, load_config
@@ -31,8 +32,11 @@ from grpod.daemon.progress import Progress, wanted
 from grpod.daemon.rundir import Plan, link_latest
 from grpod.daemon.signals import AbandonStep, Signals
 from grpod.engine import Engine
+from grpod.engine.checkpoint import load_checkpoint, save_checkpoint
+from grpod.engine.step import decide_step
+from grpod.engine.verdict import Action, Verdict
 from grpod.forensics.recorder import FlightRecorder
-from grpod.guards import Action, GuardPolicy, guarded_step
+from grpod.guards import GuardPolicy
 
 STATUS_INTERVAL_SECONDS = 1.0  # status.json and STATUS= at most this often while running
 
@@ -148,9 +152,7 @@ class Daemon:
             if not path.is_dir():
                 self.log.warning("checkpoint missing", step=checkpoint.step, path=str(path))
                 continue
-            extra = self.engine.load_checkpoint(path)
-            if "guards" in extra:
-                self.policy.load_state_dict(extra["guards"])
+            load_checkpoint(path, self._states())
             self.checkpointed_step = self.engine.step
             return self.engine.step
         return None
@@ -183,15 +185,14 @@ class Daemon:
         engine, policy = self.engine, self.policy
         self.notifier.watchdog()
         self.signals.abortable = True
-        batch = engine.rollout()
-        report, verdict = guarded_step(engine, policy, batch)  # phase_seconds has "guards"
+        result = decide_step(engine, policy, engine.rollout())
         self.signals.abortable = False
 
-        outcome = verdict.outcome  # applied | flushed | skipped, as guarded_step decided
+        report, verdict, outcome = result.report, result.verdict, result.outcome
         rerun = report.step <= self.last_recorded
-        phases = dict(report.phase_seconds)
+        phases = dict(result.phase_seconds)
         started = time.perf_counter()
-        self.recorder.record(batch, report, verdict, outcome, rerun=rerun)
+        self.recorder.record(result.batch, report, verdict, outcome, rerun=rerun)
         phases["record"] = time.perf_counter() - started
 
         self.metrics.observe_step(report, verdict, outcome, phases, policy.gradnorm_vtc_correlation)
@@ -234,9 +235,8 @@ class Daemon:
         self.notifier.extend_timeout(self.config.daemon.checkpoint_timeout_seconds)
         self.notifier.status(f"checkpointing step {step}")
         started = time.perf_counter()
-        path = self.engine.save_checkpoint(
-            self.run_dir.checkpoint_path(step),
-            extra={"guards": self.policy.state_dict(), "run_id": self.plan.run_id},
+        path = save_checkpoint(
+            self.run_dir.checkpoint_path(step), self._states(), extra={"run_id": self.plan.run_id}
         )
         self.recorder.note_checkpoint(step, path)  # queued after the steps before it
         seconds = time.perf_counter() - started
@@ -245,6 +245,11 @@ class Daemon:
         self.log.info("checkpoint", reason=reason, path=str(path), seconds=round(seconds, 6))
         self.notifier.watchdog()
         self.notifier.status(self._status_line())
+
+    def _states(self) -> dict[str, Stateful]:
+        """What a checkpoint holds: the engine (weights, optimizer, schedule, data cursor)
+        and the guards' windows and counters."""
+        return {"engine": self.engine, "guards": self.policy}
 
     def _reload_guards(self) -> None:
         """SIGHUP: new guard thresholds from the config file; the engine is never reloaded."""
@@ -359,7 +364,7 @@ class Daemon:
         )
 
 
-def _verdict_text(verdict: Any) -> str:
+def _verdict_text(verdict: Verdict) -> str:
     if not verdict.findings:
         return verdict.action.name
     worst = max(verdict.findings, key=lambda f: f.action)

@@ -15,10 +15,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from grpod.engine.report import StepReport
+from grpod.engine.verdict import Outcome, Verdict
+
 PHASES = ("rollout", "score", "grad", "optim", "guards", "record", "checkpoint")
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-OUTCOMES = ("applied", "flushed", "skipped")
-ACTIONS = ("PASS", "WARN", "FLUSH", "HALT")
 
 # gauge name -> StepReport field (None in the report -> NaN on the gauge)
 REPORT_GAUGES = {
@@ -52,7 +53,7 @@ class Metrics:
         self.steps_total = Counter(
             "grpod_steps_total", "Steps by outcome", ["outcome"], registry=registry
         )
-        for outcome in OUTCOMES:
+        for outcome in Outcome:
             self.steps_total.labels(outcome)
         self.report_gauges = {
             field: gauge(name, doc) for name, (field, doc) in REPORT_GAUGES.items()
@@ -110,14 +111,14 @@ class Metrics:
 
     def observe_step(
         self,
-        report: Any,
-        verdict: Any,
-        outcome: str,
+        report: StepReport,
+        verdict: Verdict,
+        outcome: Outcome,
         phase_seconds: dict[str, float],
         gradnorm_vtc_correlation: float | None = None,
         now: float | None = None,
     ) -> None:
-        """Publish one finished step: `report` a StepReport, `verdict` a guards Verdict."""
+        """Publish one finished step (a `StepResult`'s report, verdict and outcome)."""
         for field, g in self.report_gauges.items():
             g.set(_number(getattr(report, field)))
         self._child(self.clip_fraction, "low").set(_number(report.clip_fraction_low))

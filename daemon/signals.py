@@ -27,7 +27,7 @@ class Signals:
         self.abandon_signal: int | None = None  # the second one
         self.reload_requested = False  # SIGHUP
         self.stop_count = 0  # stop signals received so far
-        self.abortable = False  # True while the loop is in rollout / guarded_step
+        self.abortable = False  # True while the loop is in rollout / decide_step
         self._previous: dict[int, object] = {}
 
     @property

@@ -1,20 +1,40 @@
 """The GRPO engine. Knows nothing of guards, metrics or stores.
 
 Public names are imported on first use (grpod/lazy.py): `engine.config` and
-`engine.errors` load without torch.
+`engine.errors` load without torch. A decided step is a `StepResult` from `decide_step`
+(grpod/engine/step.py); its vocabulary (`Action`, `Verdict`, `Outcome`) is grpod/engine/verdict.py.
 """
 
 from grpod.lazy import lazy_exports
 
-__all__ = ["ChunkTrace", "Engine", "EngineConfig", "EngineError", "StepReport", "TransportBatch"]
+__all__ = [
+    "Action",
+    "ChunkTrace",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "Finding",
+    "Outcome",
+    "StepReport",
+    "StepResult",
+    "TransportBatch",
+    "Verdict",
+    "decide_step",
+]
 __getattr__ = lazy_exports(
     __name__,
     {
+        "Action": "grpod.engine.verdict",
         "ChunkTrace": "grpod.engine.report",
         "Engine": "grpod.engine.trainer",
         "EngineConfig": "grpod.engine.config",
         "EngineError": "grpod.engine.errors",
+        "Finding": "grpod.engine.verdict",
+        "Outcome": "grpod.engine.verdict",
         "StepReport": "grpod.engine.report",
+        "StepResult": "grpod.engine.step",
         "TransportBatch": "grpod.engine.batch",
+        "Verdict": "grpod.engine.verdict",
+        "decide_step": "grpod.engine.step",
     },
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,10 @@ class TransportBatch:
     config_digest: str
     sequence_chunks: int = 1
     old_logprobs: torch.Tensor | None = None  # [micros, rows, seq] float32: epochs > 1 only
-    meta: dict[str, Any] = field(default_factory=dict)  # e.g. rollout_seconds
+    # provenance, part of the content (and the blob digest): nothing wall-clock here
+    generation: int = 0  # step // epochs: the rollout whose samples these are
+    injected_faults: tuple[str, ...] = ()  # drill faults injected into this step (faults.py)
+    micro_order: list[int] | None = None  # micros reordered from the batch as rolled out
 
     @property
     def num_micros(self) -> int:
@@ -81,8 +84,8 @@ class TransportBatch:
     def reorder(self, order: list[int]) -> TransportBatch:
         """The same batch with its micros run in `order` (a permutation of micro indices).
 
-        `meta["micro_order"]` keeps the composed order relative to the batch as rolled out,
-        so `original.reorder(report.micro_order)` rebuilds the batch as run.
+        `micro_order` keeps the composed order relative to the batch as rolled out, so
+        `original.reorder(report.micro_order)` rebuilds the batch as run.
         """
         if sorted(order) != list(range(self.num_micros)):
             raise EngineError(f"batch step {self.step}: {order} is not a permutation of micros")
@@ -92,9 +95,8 @@ class TransportBatch:
             for name in TOKEN_FIELDS
             if getattr(self, name) is not None
         }
-        previous = self.meta.get("micro_order", list(range(self.num_micros)))
-        meta = {**self.meta, "micro_order": [previous[i] for i in order]}
-        return replace(self, **moved, meta=meta)
+        previous = self.micro_order or list(range(self.num_micros))
+        return replace(self, **moved, micro_order=[previous[i] for i in order])
 
     def tensors(self) -> dict[str, torch.Tensor]:
         names = [*TOKEN_FIELDS, *SAMPLE_FIELDS]
@@ -106,7 +108,9 @@ class TransportBatch:
             "step": str(self.step),
             "config_digest": self.config_digest,
             "sequence_chunks": str(self.sequence_chunks),
-            "meta": json.dumps(self.meta, sort_keys=True),
+            "generation": str(self.generation),
+            "injected_faults": ",".join(self.injected_faults),
+            "micro_order": "" if self.micro_order is None else json.dumps(self.micro_order),
         }
 
     def save(self, path: str | os.PathLike) -> None:
@@ -166,10 +170,31 @@ class TransportBatch:
         try:
             step = int(metadata["step"])
             chunks = int(metadata["sequence_chunks"])
-            meta = json.loads(metadata.get("meta", "{}"))
             digest = metadata["config_digest"]
-        except (KeyError, ValueError) as exc:
-            raise EngineError(f"batch {source}: bad metadata: {exc}") from None
+            provenance = _provenance(metadata)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise EngineError(f"batch {source}: bad metadata: {exc!r}") from None
+        order = provenance["micro_order"]
+        if order is not None and sorted(order) != list(range(token_shape[0])):
+            raise EngineError(f"batch {source}: micro_order {order} is not a permutation")
         names = {f.name for f in fields(cls)}
         kwargs = {n: tensors.get(n) for n in names if n in TOKEN_FIELDS or n in SAMPLE_FIELDS}
-        return cls(**kwargs, step=step, config_digest=digest, sequence_chunks=chunks, meta=meta)
+        return cls(**kwargs, step=step, config_digest=digest, sequence_chunks=chunks, **provenance)
+
+
+def _provenance(metadata: dict[str, str]) -> dict[str, Any]:
+    """The typed provenance fields; a blob written before them carries a JSON "meta" dict."""
+    if "meta" in metadata:
+        meta = json.loads(metadata["meta"])
+        order = meta.get("micro_order")
+        return {
+            "generation": int(meta.get("generation", 0)),
+            "injected_faults": tuple(meta.get("injected", ())),
+            "micro_order": None if order is None else [int(i) for i in order],
+        }
+    faults, order = metadata.get("injected_faults", ""), metadata.get("micro_order", "")
+    return {
+        "generation": int(metadata.get("generation", "0")),
+        "injected_faults": tuple(faults.split(",")) if faults else (),
+        "micro_order": [int(i) for i in json.loads(order)] if order else None,
+    }

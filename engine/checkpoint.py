@@ -1,7 +1,11 @@
-"""Engine checkpoints: weights, AdamW state, schedule position, data cursor, extra JSON state.
+"""Checkpoints of `Stateful` objects (torch.distributed.checkpoint's protocol).
 
-A checkpoint is a directory written beside its final name and renamed into place, so a
-reader sees a complete checkpoint or none. Tensors go to safetensors; scalars to JSON.
+`save_checkpoint(path, {"engine": engine, "guards": policy})` writes each object's
+`state_dict()`: its tensors to `<key>.safetensors`, one file per top-level key of a state's
+dict (the engine's `model`, `optimizer`, `cursor`), everything else to `state.json`, where
+each tensor is a reference into its file. The directory is written beside its final name and
+renamed into place, so a reader sees a complete checkpoint or none. Nothing here knows which
+objects it saves.
 """
 
 from __future__ import annotations
@@ -9,96 +13,122 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.stateful import Stateful
 
-from grpod.engine.batch import TransportBatch
 from grpod.engine.errors import EngineError
 from grpod.fileio import atomic_dir
 
-if TYPE_CHECKING:
-    from grpod.engine.trainer import Engine
-
-FORMAT = "grpod.checkpoint/1"
+FORMAT = "grpod.checkpoint/2"
+TENSOR = "__tensor__"  # {"__tensor__": "file.safetensors:key"}: a tensor in a file
+ITEMS = "__items__"  # {"__items__": [[key, value], ...]}: a dict with non-string keys
 
 
 def save_checkpoint(
-    engine: Engine, path: str | os.PathLike, extra: dict[str, Any] | None = None
+    path: str | os.PathLike, states: dict[str, Stateful], extra: dict[str, Any] | None = None
 ) -> Path:
-    """Write `engine`'s full training state to directory `path` atomically."""
-    if engine._pending is not None:
-        raise EngineError(f"checkpoint {path}: step {engine._pending.step} is still pending")
+    """Write every object of `states` to directory `path` atomically; `extra` is JSON."""
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    tree = {name: _encode_state(name, state.state_dict(), files) for name, state in states.items()}
     final = Path(path)
     with atomic_dir(final, replace=True) as tmp:
-        weights = {
-            n: p.detach().cpu().contiguous().clone() for n, p in engine.model.named_parameters()
-        }
-        save_file(weights, str(tmp / "model.safetensors"))
-        opt = engine.optimizer.state_dict()
-        tensors, scalars = {}, {}
-        for index, state in opt["state"].items():
-            for key, value in state.items():
-                if torch.is_tensor(value):
-                    tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
-                else:
-                    scalars[f"{index}.{key}"] = value
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        if engine.rollout_cache is not None:
-            engine.rollout_cache.save(tmp / "rollout_cache.safetensors")
-        state = {
-            "format": FORMAT,
-            "step": engine.step,
-            "config_digest": engine.config_digest,
-            "param_groups": opt["param_groups"],
-            "optimizer_scalars": scalars,
-            "scheduler": engine.scheduler.state_dict(),
-            "extra": extra or {},
-        }
+        for file, tensors in files.items():
+            save_file(tensors, str(tmp / file))
+        state = {"format": FORMAT, "states": tree, "extra": extra or {}}
         (tmp / "state.json").write_text(json.dumps(state, sort_keys=True, default=_lambda_free))
     return final
 
 
-def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict[str, Any]:
-    """Restore `engine` from directory `path`; returns the checkpoint's extra state."""
+def load_checkpoint(path: str | os.PathLike, states: dict[str, Stateful]) -> dict[str, Any]:
+    """Restore every object of `states` from directory `path`; returns the extra state."""
     where = Path(path)
-    for name in ("state.json", "model.safetensors", "optimizer.safetensors"):
-        if not (where / name).is_file():
-            raise EngineError(f"checkpoint {where}: missing {name}")
+    if not (where / "state.json").is_file():
+        raise EngineError(f"checkpoint {where}: missing state.json")
     try:
         state = json.loads((where / "state.json").read_text())
-        weights = load_file(str(where / "model.safetensors"))
-        opt_tensors = load_file(str(where / "optimizer.safetensors"))
-    except Exception as exc:
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"checkpoint {where}: unreadable state.json: {exc}") from None
+    found = state.get("format") if isinstance(state, dict) else None
+    if found != FORMAT:
+        raise EngineError(f"checkpoint {where}: format {found!r}, not {FORMAT}")
+    saved = state.get("states", {})
+    missing = sorted(set(states) - set(saved))
+    if missing:
+        raise EngineError(f"checkpoint {where}: holds no {', '.join(missing)} state")
+    needed = sorted({f for name in states for f in _files(saved[name])})
+    for file in needed:
+        if not (where / file).is_file():
+            raise EngineError(f"checkpoint {where}: missing {file}")
+    try:
+        tensors = {file: load_file(str(where / file)) for file in needed}
+    except Exception as exc:  # safetensors raises bare errors on truncated files
         raise EngineError(f"checkpoint {where}: unreadable: {exc}") from None
-    if state.get("format") != FORMAT:
-        raise EngineError(f"checkpoint {where}: format {state.get('format')!r}, not {FORMAT}")
-    params = dict(engine.model.named_parameters())
-    if set(weights) != set(params):
-        raise EngineError(f"checkpoint {where}: weights do not match the model's parameters")
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            if tensor.shape != params[name].shape:
-                raise EngineError(
-                    f"checkpoint {where}: {name} has shape {tuple(tensor.shape)}, "
-                    f"model has {tuple(params[name].shape)}"
-                )
-            params[name].copy_(tensor)
-    opt_state: dict[int, dict[str, Any]] = {}
-    for key, tensor in opt_tensors.items():
-        index, name = key.split(".", 1)
-        opt_state.setdefault(int(index), {})[name] = tensor
-    for key, value in state["optimizer_scalars"].items():
-        index, name = key.split(".", 1)
-        opt_state.setdefault(int(index), {})[name] = value
-    engine.optimizer.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
-    engine.scheduler.load_state_dict({**state["scheduler"], "lr_lambdas": [None]})
-    engine.step = int(state["step"])
-    cache = where / "rollout_cache.safetensors"
-    engine.rollout_cache = TransportBatch.load(cache) if cache.exists() else None
-    engine.optimizer.zero_grad(set_to_none=True)
+    for name, obj in states.items():
+        try:
+            obj.load_state_dict(_decode(saved[name], tensors))
+        except EngineError as exc:
+            raise EngineError(f"checkpoint {where}: {name}: {exc}") from None
     return state.get("extra", {})
+
+
+def _encode_state(
+    name: str, state: dict[str, Any], files: dict[str, dict[str, torch.Tensor]]
+) -> dict[str, Any]:
+    out = {}
+    for key, value in state.items():
+        file = f"{key}.safetensors"
+        if file in files:
+            raise EngineError(f"checkpoint: state {name!r} key {key!r}: {file} is taken")
+        tensors: dict[str, torch.Tensor] = {}
+        out[key] = _encode(value, file, [], tensors)
+        if tensors:
+            files[file] = tensors
+    return out
+
+
+def _encode(value: Any, file: str, at: list[str], tensors: dict[str, torch.Tensor]) -> Any:
+    """JSON for `value`, its tensors moved to `tensors` under their '/'-joined path."""
+    if torch.is_tensor(value):
+        key = "/".join(at)
+        # a copy: parameters share one storage, which safetensors refuses to write
+        tensors[key] = value.detach().to("cpu", copy=True).contiguous()
+        return {TENSOR: f"{file}:{key}"}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: _encode(v, file, [*at, k], tensors) for k, v in value.items()}
+        return {ITEMS: [[k, _encode(v, file, [*at, str(k)], tensors)] for k, v in value.items()]}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v, file, [*at, str(i)], tensors) for i, v in enumerate(value)]
+    return value
+
+
+def _decode(value: Any, tensors: dict[str, dict[str, torch.Tensor]]) -> Any:
+    if isinstance(value, dict):
+        if TENSOR in value:
+            file, key = value[TENSOR].split(":", 1)
+            if key not in tensors[file]:
+                raise EngineError(f"{file} holds no tensor {key!r}")
+            return tensors[file][key]
+        if ITEMS in value:
+            return {k: _decode(v, tensors) for k, v in value[ITEMS]}
+        return {k: _decode(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    return value
+
+
+def _files(value: Any) -> set[str]:
+    """The tensor files a saved state refers to."""
+    if isinstance(value, dict):
+        if TENSOR in value:
+            return {value[TENSOR].split(":", 1)[0]}
+        return set().union(*map(_files, value.values())) if value else set()
+    if isinstance(value, list):
+        return set().union(*map(_files, value)) if value else set()
+    return set()
 
 
 def _lambda_free(value: Any) -> Any:

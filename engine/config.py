@@ -9,6 +9,43 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+class FaultsConfig(BaseModel):
+    """Drill faults (`[engine.faults]`): each list names the steps it corrupts; empty = off."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    accounting: Literal["none", "last_micro_first_chunk"] = Field(
+        "none",
+        description="last_micro_first_chunk: a per-chunk counter, chunks in reverse (every "
+        "step reads chunk 0 of its last micro)",
+    )
+    nan_loss_steps: list[int] = Field(default_factory=list, description="micro 0's loss is NaN")
+    inf_grad_steps: list[int] = Field(
+        default_factory=list, description="one gradient element is inf"
+    )
+    sentinel_logprob_steps: list[int] = Field(
+        default_factory=list, description="one sampler logprob is -9999"
+    )
+    equal_reward_steps: list[int] = Field(
+        default_factory=list, description="every group's rewards equal its first"
+    )
+    loss_spike_steps: list[int] = Field(
+        default_factory=list, description="advantages scaled by 1000"
+    )
+
+    @property
+    def on(self) -> bool:
+        return self.accounting != "none" or any(
+            (
+                self.nan_loss_steps,
+                self.inf_grad_steps,
+                self.sentinel_logprob_steps,
+                self.equal_reward_steps,
+                self.loss_spike_steps,
+            )
+        )
+
+
 class EngineConfig(BaseModel):
     """Every knob of a GRPO step. Defaults are the embedded W1 setting."""
 
@@ -68,13 +105,10 @@ class EngineConfig(BaseModel):
     # reproducibility and threads
     seed: int = 0
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = leave as is")
-    # fault injection for drills (off by default)
-    accounting_fault: Literal["none", "last_micro_first_chunk"] = "none"
-    fault_nan_loss_steps: list[int] = Field(default_factory=list)
-    fault_inf_grad_steps: list[int] = Field(default_factory=list)
-    fault_sentinel_logprob_steps: list[int] = Field(default_factory=list)
-    fault_equal_reward_steps: list[int] = Field(default_factory=list)
-    fault_loss_spike_steps: list[int] = Field(default_factory=list)
+    faults: FaultsConfig = Field(
+        default_factory=FaultsConfig,
+        description="drill fault injection (engine/faults.py); off by default",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -83,18 +117,6 @@ class EngineConfig(BaseModel):
         if self.task.endswith(".jsonl") is False and self.task not in BUILTIN_TASKS:
             raise ValueError(f"task must be one of {sorted(BUILTIN_TASKS)} or a .jsonl path")
         return self
-
-    @property
-    def faults_on(self) -> bool:
-        return self.accounting_fault != "none" or any(
-            (
-                self.fault_nan_loss_steps,
-                self.fault_inf_grad_steps,
-                self.fault_sentinel_logprob_steps,
-                self.fault_equal_reward_steps,
-                self.fault_loss_spike_steps,
-            )
-        )
 
     def digest(self) -> str:
         """sha256 of the canonical JSON of this config (recorded in every batch)."""

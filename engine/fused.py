@@ -19,7 +19,7 @@ Hugging Face logits step by step), so the sampler's logprobs still match the tra
 `unsupported` says when a model is not covered (another architecture, sliding windows,
 length-dependent RoPE, forward hooks that a Hugging Face forward would run); those decode
 through Hugging Face. The training trunk does not use this fused form: with autograd through
-the fused weights it measured 1.02x slower than Hugging Face at W1's sizes (bench/README.md);
+the fused weights it measured slower than Hugging Face at W1's sizes (bench/README.md);
 it has its own unfused, bit-identical forward in engine/trunk.py.
 """
 

@@ -47,7 +47,6 @@ class StepReport:
     num_samples: int
     micro_order: list[int] = field(default_factory=list)
     chunk_trace: list[ChunkTrace] = field(default_factory=list)
-    phase_seconds: dict[str, float] = field(default_factory=dict)  # rollout, score, grad, optim
     skipped_compute: bool = False
 
     SCALARS = (

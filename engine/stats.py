@@ -77,7 +77,7 @@ class StepStats:
             completion_length_max=int(lengths.max()) if lengths.numel() else 0,
             num_micros=batch.num_micros,
             num_samples=batch.num_samples,
-            micro_order=list(batch.meta.get("micro_order", range(batch.num_micros))),
+            micro_order=list(batch.micro_order or range(batch.num_micros)),
             chunk_trace=[
                 ChunkTrace(m, c, int(n), float(loss), int(after))
                 for m, c, n, loss, after in self.trace

@@ -1,10 +1,4 @@
-"""The GRPO engine: rollout -> advantages -> pack -> accumulate -> apply | flush.
-
-`Engine.rollout()` produces the step's `TransportBatch`; `accumulate(batch)` runs forward and
-backward over every micro and returns the `StepReport` (grad norm included) before anything is
-applied; the caller then decides: `apply()` or `flush()`. The machinery (sampling, packing,
-the chunked FP32 head, the token counter) is one call away, each in its own module.
-"""
+"""The GRPO engine: rollout -> advantages -> pack -> accumulate -> apply | flush (`Engine`)."""
 
 from __future__ import annotations
 
@@ -12,8 +6,8 @@ import copy
 import hashlib
 import math
 import time
-import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,33 +19,68 @@ from grpod.engine.advantages import group_advantages
 from grpod.engine.batch import TransportBatch
 from grpod.engine.checkpoint import load_checkpoint, save_checkpoint
 from grpod.engine.config import EngineConfig
+from grpod.engine.cursor import DataCursor
 from grpod.engine.errors import EngineError
+from grpod.engine.faults import Faults
 from grpod.engine.flat import flatten_parameters
+from grpod.engine.layout import micro_layout, run_trunk, trunk_passes
 from grpod.engine.loss import LossSettings, policy_token_loss, token_logprobs
-from grpod.engine.model import compute_context, load_policy, resolve_device
-from grpod.engine.packing import Sample, TrunkLayout, joint_slots, pack, scan_units, trunk_layout
+from grpod.engine.model import load_policy, resolve_device
+from grpod.engine.packing import Sample, pack
 from grpod.engine.report import StepReport
 from grpod.engine.rollout import Rollout, sample
 from grpod.engine.stats import StepStats
 from grpod.engine.tasks import build_task
-from grpod.engine.trunk import trunk_states
-from grpod.engine.trunk import unsupported as trunk_unsupported
 
-SENTINEL_LOGPROB = -9999.0
-LOSS_SPIKE_SCALE = 1000.0
+PHASES = ("rollout", "score", "grad", "optim")  # the engine's phases, in step order
 
 
 class Engine:
+    """A GRPO policy in training: each optimizer step is rollout -> accumulate -> apply | flush.
+
+    Example, on a CPU with the built-in tiny Qwen2 (a few seconds)::
+
+        >>> from grpod.engine import Engine, EngineConfig
+        >>> engine = Engine(EngineConfig(task="copy", prompts_per_step=2, group_size=4))
+        >>> batch = engine.rollout()  # step 0's TransportBatch: 2 prompts x 4 completions
+        >>> report = engine.accumulate(batch)  # StepReport, before anything is applied
+        >>> report.valid_tokens == batch.expected_valid_tokens()
+        True
+        >>> report = engine.apply()  # or engine.flush(): the policy stays bit-identical
+        >>> engine.step, engine.state_dict()["cursor"]["step"]
+        (1, 1)
+
+    Under the guards (the daemon, replay and the drills alike) a step is decided by
+    `grpod.engine.step.decide_step(engine, policy, batch)`, which returns a `StepResult`.
+
+    The step's contract:
+
+    - `rollout()` samples step `self.step`: same config, seed and weights give the same batch,
+      bit for bit (and the same blob digest). With `epochs > 1` a generation is sampled and
+      scored once and reused by its epochs.
+    - `accumulate(batch)` runs forward and backward over every micro. The valid-token count
+      is accumulated over every micro and chunk and zeroed once per step; the gradients are
+      scaled by that step total. Logits, logprobs, loss and gradients are FP32. It returns
+      the `StepReport` (pre-clip grad norm included); exactly one of `apply()` / `flush()`
+      follows.
+    - `apply()` clips with the reported norm, takes the AdamW step and advances the schedule;
+      `flush()` discards the gradients: weights, optimizer state and schedule position stay
+      bit-identical. `skip(batch)` flushes a step without computing it. All three advance
+      the data cursor.
+    - `take_phase_seconds()` gives the wall-clock seconds of the step's phases;
+      `state_dict()` / `load_state_dict()` (torch.distributed.checkpoint's `Stateful`) carry
+      the weights, AdamW state, schedule position and data cursor.
+
+    The machinery is one call away, each in its own module: sampling (rollout.py), packing
+    (packing.py), the trunk layout (layout.py), the chunked FP32 head and loss (loss.py), the
+    token counter (accounting.py), the drill fault hooks (faults.py).
+    """
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
-        if config.faults_on:
-            warnings.warn(
-                "grpod engine: FAULT INJECTION IS ON (drill mode); this run corrupts steps "
-                "on purpose",
-                stacklevel=2,
-            )
+        self.faults = Faults(config.faults)  # drill hooks: identity unless [engine.faults]
         self.task = build_task(config.task, config.reward, config.long_prompt_batch_fraction)
         self.device = resolve_device(config.device)
         self.model, self.tokenizer = load_policy(config.model, self.task.chars, config.seq_len)
@@ -72,7 +101,10 @@ class Engine:
             fused=self.device.type in ("cpu", "cuda") or None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.counter = ValidTokenCounter(per_chunk_reset=config.accounting_fault != "none")
+        self.counter = ValidTokenCounter(per_chunk_reset=self.faults.per_micro_accounting)
+        # the accounting fault runs chunks in reverse: the step then reads chunk 0 of the last micro
+        reverse = config.chunk_order == "reverse" or self.faults.per_micro_accounting
+        self.chunk_order = "reverse" if reverse else "forward"
         self.loss_settings = LossSettings(
             kind=config.loss,
             eps_low=config.eps_low,
@@ -82,81 +114,85 @@ class Engine:
             kl_beta=config.kl_beta,
         )
         self.config_digest = config.digest()
-        self.step = 0  # the next batch to roll out (the data cursor)
+        self.cursor = DataCursor()
         self.vllm = None  # built on first use: rollout_backend = "vllm" (GPU nodes)
-        self.rollout_cache: TransportBatch | None = None  # epochs > 1: this generation's batch
         self._pending: StepReport | None = None
+        self._phases: dict[str, float] = {}  # this step's phase seconds so far
+
+    @property
+    def step(self) -> int:
+        """The next step to roll out (the data cursor's)."""
+        return self.cursor.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.cursor.step = value
+
+    @property
+    def per_micro_accounting(self) -> bool:
+        """Whether the valid-token counter is per micro (the drill's accounting fault) rather
+        than step-accumulated; the reorder guard is on for such an engine."""
+        return self.faults.per_micro_accounting
 
     # ----------------------------------------------------------------- the GRPO step
     def rollout(self) -> TransportBatch:
         """Sample this step's completions, score them, and pack the `TransportBatch`."""
-        cfg, step = self.config, self.step
+        cfg, step, faults = self.config, self.step, self.faults
         generation = step // cfg.epochs
-        cached = self.rollout_cache
-        if cfg.epochs > 1 and cached is not None and cached.meta["generation"] == generation:
+        cached = self.cursor.rollout_cache
+        if cfg.epochs > 1 and cached is not None and cached.generation == generation:
             return replace(cached, step=step)  # same samples, same old logprobs: epoch > 1
-        started = time.perf_counter()
-        prompts = self.task.prompts_for_step(generation, cfg.prompts_per_step, cfg.seed)
-        prompt_ids = [self._encode_prompt(p.text) for p in prompts]
-        out = self._sample(
-            [ids for ids in prompt_ids for _ in range(cfg.group_size)],
-            step_seed(cfg.seed, generation),
-        )
-        lengths = out.mask.sum(-1).tolist()
-        completions = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
-        rewards = torch.tensor(
-            [
-                self.task.score(prompts[i // cfg.group_size], self.tokenizer.decode(ids), i)
-                for i, ids in enumerate(completions)
-            ],
-            dtype=torch.float32,
-        )
-        injected = []
-        if step in cfg.fault_equal_reward_steps:
-            rewards = rewards.reshape(-1, cfg.group_size)[:, :1].expand(-1, cfg.group_size)
-            rewards = rewards.reshape(-1).clone()
-            injected.append("equal-rewards")
-        advantages, _ = group_advantages(
-            rewards, cfg.group_size, cfg.scale_rewards, cfg.advantage_std
-        )
-        if step in cfg.fault_loss_spike_steps:
-            advantages = advantages * LOSS_SPIKE_SCALE
-            injected.append("loss-spike")
-        sampler_logprobs = out.logprobs.tolist()
-        samples = [
-            Sample(
-                tokens=prompt_ids[i // cfg.group_size] + ids,
-                prompt_len=len(prompt_ids[i // cfg.group_size]),
-                advantage=advantage,
-                sampler_logprobs=sampler_logprobs[i][: len(ids)],
-                group=i // cfg.group_size,
+        with self._timed("rollout"):
+            prompts = self.task.prompts_for_step(generation, cfg.prompts_per_step, cfg.seed)
+            prompt_ids = [self._encode_prompt(p.text) for p in prompts]
+            out = self._sample(
+                [ids for ids in prompt_ids for _ in range(cfg.group_size)],
+                step_seed(cfg.seed, generation),
             )
-            for i, (ids, advantage) in enumerate(zip(completions, advantages.tolist()))
-        ]
-        if step in cfg.fault_sentinel_logprob_steps:
-            first = next(i for i, n in enumerate(lengths) if n > 0)
-            samples[first].sampler_logprobs[0] = SENTINEL_LOGPROB
-            injected.append("sentinel-logprob")
-        batch = pack(
-            samples,
-            seq_len=cfg.seq_len,
-            micro_batch_rows=cfg.micro_batch_rows,
-            pack_rows=cfg.pack,
-            pad_token_id=self.tokenizer.pad_token_id,
-            rewards=rewards,
-            step=step,
-            config_digest=self.config_digest,
-            sequence_chunks=cfg.sequence_chunks,
-            meta={"generation": generation, "injected": injected},
-        )
-        rollout_seconds = time.perf_counter() - started
-        score_seconds = 0.0
+            lengths = out.mask.sum(-1).tolist()
+            completions = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
+            rewards = torch.tensor(
+                [
+                    self.task.score(prompts[i // cfg.group_size], self.tokenizer.decode(ids), i)
+                    for i, ids in enumerate(completions)
+                ],
+                dtype=torch.float32,
+            )
+            rewards = faults.rewards(step, rewards, cfg.group_size)
+            advantages, _ = group_advantages(
+                rewards, cfg.group_size, cfg.scale_rewards, cfg.advantage_std
+            )
+            advantages = faults.advantages(step, advantages)
+            sampler_logprobs = faults.sampler_logprobs(
+                step, [row[:n] for row, n in zip(out.logprobs.tolist(), lengths)]
+            )
+            samples = [
+                Sample(
+                    tokens=prompt_ids[i // cfg.group_size] + ids,
+                    prompt_len=len(prompt_ids[i // cfg.group_size]),
+                    advantage=advantage,
+                    sampler_logprobs=sampler_logprobs[i],
+                    group=i // cfg.group_size,
+                )
+                for i, (ids, advantage) in enumerate(zip(completions, advantages.tolist()))
+            ]
+            batch = pack(
+                samples,
+                seq_len=cfg.seq_len,
+                micro_batch_rows=cfg.micro_batch_rows,
+                pack_rows=cfg.pack,
+                pad_token_id=self.tokenizer.pad_token_id,
+                rewards=rewards,
+                step=step,
+                config_digest=self.config_digest,
+                sequence_chunks=cfg.sequence_chunks,
+                generation=generation,
+                injected_faults=faults.injected(step),
+            )
         if cfg.epochs > 1:  # one scoring pass per generation, reused by every epoch
-            started = time.perf_counter()
-            batch = replace(batch, old_logprobs=self.score(batch))
-            score_seconds = time.perf_counter() - started
-            self.rollout_cache = batch
-        batch.meta.update(rollout_seconds=rollout_seconds, score_seconds=score_seconds)
+            with self._timed("score"):
+                batch = replace(batch, old_logprobs=self.score(batch))
+            self.cursor.rollout_cache = batch
         return batch
 
     def accumulate(self, batch: TransportBatch) -> StepReport:
@@ -167,37 +203,33 @@ class Engine:
             raise EngineError(
                 f"batch step {batch.step}: tis_cap is on but the batch has no sampler logprobs"
             )
-        started = time.perf_counter()
-        reference = self.score(batch, self.reference) if self.reference is not None else None
-        score_seconds = batch.meta.get("score_seconds", 0.0) + time.perf_counter() - started
-
-        started = time.perf_counter()
-        stats = StepStats()
-        self.counter.start_step()
-        for micros, layout in self._trunk_passes(batch):
-            hidden, source = self._run_trunk(self.model, layout)
-            per_micro = source.numel() // len(micros)
-            pass_loss = hidden.new_zeros((), dtype=torch.float32)
-            for k, micro in enumerate(micros):
-                micro_source = source[k * per_micro : (k + 1) * per_micro]
-                micro_loss = self._chunk_losses(
-                    batch, micro, hidden, micro_source, reference, stats
-                )
-                if batch.step in self.config.fault_nan_loss_steps and micro == 0:
-                    micro_loss = micro_loss * float("nan")  # poisons the gradients, as in the wild
-                stats.micro_loss_sums.append(micro_loss.detach())
-                pass_loss = pass_loss + micro_loss
-            pass_loss.backward()
-        valid_tokens = self.counter.value
-        token_scale = 1.0 / max(valid_tokens, 1)  # the step total, never one micro's count
-        grads = [p.grad for p in self.params if p.grad is not None]
-        torch._foreach_mul_(grads, token_scale)
-        if batch.step in self.config.fault_inf_grad_steps:
-            grads[0].view(-1)[0] = float("inf")
-        grad_norm = float(torch.nn.utils.get_total_norm(grads))
-        grad_seconds = time.perf_counter() - started
-
-        report = stats.report(
+        reference = None
+        if self.reference is not None:  # kl_beta > 0: the frozen reference's logprobs
+            with self._timed("score"):
+                reference = self.score(batch, self.reference)
+        with self._timed("grad"):
+            stats = StepStats()
+            self.counter.start_step()
+            for micros, layout in trunk_passes(batch, joint=self.config.dtype == "float32"):
+                hidden, source = run_trunk(self.model, layout, self.config.dtype, self.device)
+                per_micro = source.numel() // len(micros)
+                pass_loss = hidden.new_zeros((), dtype=torch.float32)
+                for k, micro in enumerate(micros):
+                    micro_source = source[k * per_micro : (k + 1) * per_micro]
+                    micro_loss = self._chunk_losses(
+                        batch, micro, hidden, micro_source, reference, stats
+                    )
+                    micro_loss = self.faults.micro_loss(batch.step, micro, micro_loss)
+                    stats.micro_loss_sums.append(micro_loss.detach())
+                    pass_loss = pass_loss + micro_loss
+                pass_loss.backward()
+            valid_tokens = self.counter.value
+            token_scale = 1.0 / max(valid_tokens, 1)  # the step total, never one micro's count
+            grads = [p.grad for p in self.params if p.grad is not None]
+            torch._foreach_mul_(grads, token_scale)
+            self.faults.grads(batch.step, grads)
+            grad_norm = float(torch.nn.utils.get_total_norm(grads))
+        self._pending = stats.report(
             batch,
             valid_tokens=valid_tokens,
             token_scale=token_scale,
@@ -205,29 +237,21 @@ class Engine:
             max_grad_norm=self.config.max_grad_norm,
             lr=self.optimizer.param_groups[0]["lr"],
         )
-        report.phase_seconds = {
-            "rollout": batch.meta.get("rollout_seconds", 0.0),
-            "score": score_seconds,
-            "grad": grad_seconds,
-            "optim": 0.0,
-        }
-        self._pending = report
-        return report
+        return self._pending
 
     def apply(self) -> StepReport:
         """Clip with the pre-clip norm, take the AdamW step, advance the LR schedule."""
         report = self._take_pending()
-        started = time.perf_counter()
-        if report.clip_coef < 1.0:
-            torch.nn.utils.clip_grads_with_norm_(
-                self.params,
-                self.config.max_grad_norm,
-                torch.tensor(report.grad_norm, device=self.device),
-            )
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        report.phase_seconds["optim"] = time.perf_counter() - started
+        with self._timed("optim"):
+            if report.clip_coef < 1.0:
+                torch.nn.utils.clip_grads_with_norm_(
+                    self.params,
+                    self.config.max_grad_norm,
+                    torch.tensor(report.grad_norm, device=self.device),
+                )
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return report
 
     def flush(self) -> StepReport:
@@ -271,21 +295,14 @@ class Engine:
         cuts = torch.searchsorted(token_index, torch.tensor(bounds)).tolist()
         head = self.model.get_output_embeddings().weight
         chunks = range(batch.sequence_chunks)
-        if self.config.chunk_order == "reverse" or self.config.accounting_fault != "none":
+        if self.chunk_order == "reverse":
             chunks = reversed(chunks)
         micro_loss = hidden.new_zeros((), dtype=torch.float32)
         for c in chunks:
             self.counter.start_chunk()
             chunk_tokens = self.counter.add(mask[bounds[c] : bounds[c + 1]])
             index = token_index[cuts[c] : cuts[c + 1]]
-            on_device = index.to(self.device)
-            logprobs = token_logprobs(
-                hidden[source[on_device - 1]],  # token p is scored by the logits at p-1
-                head,
-                targets[on_device],
-                chunks=self.config.lmhead_chunks,
-                temperature=self.config.temperature,
-            )
+            logprobs = self._logprobs(hidden, source, head, targets, index)
             old = logprobs.detach()
             if batch.old_logprobs is not None:
                 old = self._gather(batch.old_logprobs, micro, index)
@@ -306,6 +323,25 @@ class Engine:
             stats.add_logprobs(logprobs.detach(), sampler)
         return micro_loss
 
+    def _logprobs(
+        self,
+        hidden: torch.Tensor,
+        source: torch.Tensor,
+        head: torch.Tensor,
+        targets: torch.Tensor,
+        index: torch.Tensor,
+    ) -> torch.Tensor:
+        """FP32 logprobs `[len(index)]` of a micro's tokens at flat positions `index` (host),
+        from trunk states `hidden[source[p]]` and the head weight; `targets: [rows * seq]`."""
+        on_device = index.to(self.device)
+        return token_logprobs(
+            hidden[source[on_device - 1]],  # token p is scored by the logits at p-1
+            head,
+            targets[on_device],
+            chunks=self.config.lmhead_chunks,
+            temperature=self.config.temperature,
+        )
+
     def _gather(self, tensor: torch.Tensor, micro: int, index: torch.Tensor) -> torch.Tensor:
         """Host tensor `[micros, rows, seq]` -> the micro's values at flat `index`, on device."""
         return tensor[micro].reshape(-1)[index].to(self.device, non_blocking=True)
@@ -316,71 +352,9 @@ class Engine:
         """Trunk states `[positions run + 1, H]` (last row zeros) and `source: [rows * seq]`.
 
         The micro runs in its `trunk_layout`: each distinct prompt once, completions without
-        their unread last token (engine/packing.py); `hidden[source[p]]` is micro position p.
+        their unread last token (engine/layout.py); `hidden[source[p]]` is micro position p.
         """
-        return self._run_trunk(model, _layout(batch, [micro]))
-
-    def _trunk_passes(self, batch: TransportBatch) -> Iterator[tuple[list[int], TrunkLayout]]:
-        """Consecutive micros whose joint trunk layout fits one micro's `rows * seq` slots.
-
-        Shared prompts and dropped tails shrink a micro's trunk work, so several micros often
-        fit the activation budget of one; they then run as one forward and one backward (the
-        loss, counter and trace stay per micro and per chunk, in order). FP32 only: under
-        bf16 autocast a joint backward would sum the micros' weight gradients inside a bf16
-        matmul, so there each micro runs alone and accumulates into the FP32 grads.
-        """
-        if self.config.dtype != "float32":
-            for micro in range(batch.num_micros):
-                yield [micro], _layout(batch, [micro])
-            return
-        seq = batch.seq_len
-        budget = batch.input_ids.shape[1] * seq
-        everything = list(range(batch.num_micros))
-        layout = _layout(batch, everything)
-        if layout.input_ids.numel() <= budget:  # the common case: one pass, one layout
-            yield everything, layout
-            return
-        # each micro scanned once; a candidate group's size comes from its scans, and only
-        # the groups that run are laid out
-        scans = [
-            scan_units(
-                batch.input_ids[m], batch.position_ids[m], batch.sample_ids[m], batch.loss_mask[m]
-            )
-            for m in everything
-        ]
-        micros: list[int] = []
-        for micro in everything:
-            if micros and joint_slots(scans[micros[0] : micro + 1], seq) > budget:
-                yield micros, _layout(batch, micros)
-                micros = []
-            micros.append(micro)
-        if micros:
-            yield micros, _layout(batch, micros)
-
-    def _run_trunk(
-        self, model: torch.nn.Module, layout: TrunkLayout
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Trunk states `[positions run + 1, H]` (last row zeros) and the layout's source.
-
-        Qwen2 / Llama in FP32 run `engine.trunk.trunk_states` (bit-identical to the Hugging
-        Face forward, without its plumbing); anything else the Hugging Face forward.
-        """
-        input_ids = layout.input_ids.to(self.device)
-        position_ids = layout.position_ids.to(self.device)
-        mask = layout.attention_mask.to(self.device)
-        with compute_context(self.config.dtype, self.device):
-            if trunk_unsupported(model, self.config.dtype) is None:
-                hidden = trunk_states(model, input_ids, position_ids, mask)
-            else:
-                hidden = model.base_model(
-                    input_ids=input_ids,
-                    position_ids=position_ids,
-                    attention_mask=mask,
-                    use_cache=False,
-                ).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        hidden = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[-1])])
-        return hidden, layout.source.to(self.device)
+        return run_trunk(model, micro_layout(batch, [micro]), self.config.dtype, self.device)
 
     @torch.no_grad()
     def score(self, batch: TransportBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
@@ -392,14 +366,7 @@ class Engine:
             hidden, source = self._trunk(model, batch, micro)
             targets = batch.input_ids[micro].reshape(-1).to(self.device)
             index = batch.loss_mask[micro].reshape(-1).nonzero().squeeze(-1)
-            on_device = index.to(self.device)
-            logprobs = token_logprobs(
-                hidden[source[on_device - 1]],
-                head,
-                targets[on_device],
-                chunks=self.config.lmhead_chunks,
-                temperature=self.config.temperature,
-            )
+            logprobs = self._logprobs(hidden, source, head, targets, index)
             out[micro].view(-1)[index] = logprobs.cpu()
         return out
 
@@ -438,6 +405,22 @@ class Engine:
         bos = self.tokenizer.bos_token_id
         return ids if bos is None else [bos, *ids]
 
+    def take_phase_seconds(self) -> dict[str, float]:
+        """Wall-clock seconds of the phases run since the last take: rollout, score, grad,
+        optim (0 for a phase that did not run); the clock starts again from zero."""
+        phases = {name: self._phases.get(name, 0.0) for name in PHASES}
+        self._phases = {}
+        return phases
+
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - started
+            self._phases[phase] = self._phases.get(phase, 0.0) + spent
+
     def _take_pending(self) -> StepReport:
         if self._pending is None:
             raise EngineError("apply/flush without a pending accumulate")
@@ -454,13 +437,48 @@ class Engine:
             return 0.5 * (1.0 + math.cos(math.pi * progress))
         return 1.0
 
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Weights, AdamW state, LR schedule position and data cursor (plain tensors and dicts:
+        `engine/checkpoint.py` or torch.distributed.checkpoint save it)."""
+        if self._pending is not None:
+            raise EngineError(f"step {self._pending.step} is still pending (apply or flush it)")
+        return {
+            "model": {name: p.detach() for name, p in self.model.named_parameters()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "cursor": self.cursor.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`; a state that does not fit this engine is an EngineError."""
+        missing = sorted({"model", "optimizer", "scheduler", "cursor"} - set(state))
+        if missing:
+            raise EngineError(f"engine state: missing {', '.join(missing)}")
+        params = dict(self.model.named_parameters())
+        weights = state["model"]
+        if set(weights) != set(params):
+            raise EngineError("weights do not match the model's parameters")
+        for name, tensor in weights.items():
+            if tensor.shape != params[name].shape:
+                raise EngineError(
+                    f"{name} has shape {tuple(tensor.shape)}, model has {tuple(params[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                params[name].copy_(tensor)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict({**state["scheduler"], "lr_lambdas": [None]})
+        self.cursor.load_state_dict(state["cursor"])
+        self.optimizer.zero_grad(set_to_none=True)
+
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Write the full training state to directory `path` atomically (see checkpoint.py)."""
-        return save_checkpoint(self, path, extra)
+        """Write this engine's state (and JSON `extra`) to directory `path` atomically."""
+        return save_checkpoint(path, {"engine": self}, extra)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Restore from directory `path`; returns the extra state saved with it."""
-        return load_checkpoint(self, path)
+        return load_checkpoint(path, {"engine": self})
 
     def state_digest(self) -> str:
         """sha256 over weights, optimizer state and the LR schedule position."""
@@ -475,18 +493,6 @@ class Engine:
                 h.update(_tensor_bytes(value) if torch.is_tensor(value) else repr(value).encode())
         h.update(f"schedule:{self.scheduler.last_epoch}".encode())
         return h.hexdigest()
-
-
-def _layout(batch: TransportBatch, micros: list[int]) -> TrunkLayout:
-    """The joint trunk layout of consecutive `micros` (their rows stacked)."""
-    span = slice(micros[0], micros[-1] + 1)
-    seq = batch.seq_len
-    return trunk_layout(
-        batch.input_ids[span].reshape(-1, seq),
-        batch.position_ids[span].reshape(-1, seq),
-        batch.sample_ids[span].reshape(-1, seq),
-        batch.loss_mask[span].reshape(-1, seq),
-    )
 
 
 def _chunk_bounds(length: int, chunks: int) -> list[int]:

@@ -1,6 +1,6 @@
 """The training trunk of a Qwen2 / Llama policy without the Hugging Face per-call plumbing.
 
-`Engine._run_trunk` runs one packed layout (a few rows, a block-diagonal bool mask) through
+`layout.run_trunk` runs one packed layout (a few rows, a block-diagonal bool mask) through
 the model's decoder stack, with gradients. The Hugging Face forward spends a noticeable part
 of a small model's step on plumbing around the arithmetic: keyword routing through every
 layer, the mask builder, the rotary module per call, RMSNorm as five separate ops.

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from grpod.engine.verdict import ACTION_NAMES, ActionName
 from grpod.forensics.errors import ForensicsError
-
-ACTIONS = ("PASS", "WARN", "FLUSH", "HALT")  # the guards' Action order, by name
 
 
 class ForensicsConfig(BaseModel):
@@ -21,7 +19,7 @@ class ForensicsConfig(BaseModel):
     store_url: str = Field(
         "", description="SQLAlchemy URL; '' = SQLite file <run_dir>/grpod.sqlite"
     )
-    incident_action: Literal["PASS", "WARN", "FLUSH", "HALT"] = Field(
+    incident_action: ActionName = Field(
         "WARN", description="a verdict at or above this action opens an incident"
     )
     queue_size: int = Field(8, ge=1, description="steps the recorder may hold before record blocks")
@@ -70,6 +68,6 @@ def action_rank(action: str | int) -> int:
     if isinstance(action, int):
         return int(action)
     try:
-        return ACTIONS.index(action.upper())
+        return ACTION_NAMES.index(action.upper())
     except ValueError:
-        raise ForensicsError(f"verdict action {action!r}: not one of {ACTIONS}") from None
+        raise ForensicsError(f"verdict action {action!r}: not one of {ACTION_NAMES}") from None

@@ -32,14 +32,14 @@ from typing import Any
 from sqlalchemy import insert, select
 
 from grpod.engine import StepReport, TransportBatch
+from grpod.engine.verdict import ACTION_NAMES, Outcome
 from grpod.forensics.blobs import BlobStore, StagedBlob
-from grpod.forensics.config import ACTIONS, ForensicsConfig, action_rank
+from grpod.forensics.config import ForensicsConfig, action_rank
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Incident, Run, Step
 from grpod.forensics.store import Store
 from grpod.jsonsafe import from_json
 
-OUTCOMES = ("applied", "flushed", "skipped")
 WRITER_NICE = 10  # the writer thread's niceness (a lower priority than the trainer's)
 HOLD_BYTES = 64 * 1024**2  # batch bytes a commit group may hold in memory before staging them
 
@@ -154,17 +154,19 @@ class FlightRecorder:
         batch: TransportBatch,
         report: StepReport,
         verdict: dict[str, Any] | Any,
-        outcome: str,
+        outcome: Outcome | str,
         rerun: bool = False,
     ) -> None:
-        """Queue one decided step. Blocks (counted) only when `queue_size` steps are waiting."""
+        """Queue one decided step (a `StepResult`'s batch, report, verdict and outcome).
+        Blocks (counted) only when `queue_size` steps are waiting."""
         self._raise_failure()
         if self.run_id is None:
             raise ForensicsError("flight recorder: record() before start_run()")
-        if outcome not in OUTCOMES:
-            raise ForensicsError(f"step {report.step}: outcome {outcome!r} not in {OUTCOMES}")
+        if outcome not in tuple(Outcome):
+            names = tuple(map(str, Outcome))
+            raise ForensicsError(f"step {report.step}: outcome {outcome!r} not in {names}")
         verdict = _verdict_dict(verdict)
-        self._put(_StepItem(batch, report.to_dict(), verdict, outcome, rerun))
+        self._put(_StepItem(batch, report.to_dict(), verdict, str(outcome), rerun))
 
     def note_checkpoint(self, step: int, path: str | os.PathLike) -> None:
         """A checkpoint taken with engine.step == `step` (the state before step `step`)."""
@@ -378,7 +380,7 @@ def _verdict_dict(verdict: dict[str, Any] | Any) -> dict[str, Any]:
     if not isinstance(verdict, dict):
         verdict = verdict.to_dict()
     action = verdict.get("action", "PASS")
-    name = ACTIONS[action_rank(action)]
+    name = ACTION_NAMES[action_rank(action)]
     return {**verdict, "action": name, "findings": list(verdict.get("findings", []))}
 
 

@@ -19,9 +19,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
 from pydantic import ValidationError
 
 from grpod.engine import Engine, EngineConfig, EngineError, StepReport, TransportBatch
+from grpod.engine.checkpoint import load_checkpoint
+from grpod.engine.step import decide_step
+from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Step
@@ -84,7 +88,7 @@ def replay(
     for done, item in enumerate(plan):
         is_target = done == len(plan) - 1
         replayed = _rerun(engine, item, compute_skipped=is_target)
-        if item.row.outcome != "skipped" and diverged_at is None:
+        if item.row.outcome != Outcome.SKIPPED and diverged_at is None:
             diverged_field = _first_difference(item.report, replayed)
             if diverged_field is not None:
                 diverged_at = item.report.step
@@ -92,7 +96,7 @@ def replay(
             progress(done + 1, len(plan), item.report.step)
     target = plan[-1]
     reproduced = diverged_at is None
-    bad = target.row.verdict_action != "PASS" or target.row.outcome != "applied"
+    bad = target.row.verdict_action != Action.PASS.name or target.row.outcome != Outcome.APPLIED
     return ReplayResult(
         reproduced=reproduced,
         step=target.report.step,
@@ -165,7 +169,7 @@ def _load(session: Any, blobs: BlobStore, row: Step) -> _Planned:
 def _note(target: _Planned, versions: dict[str, str]) -> str:
     """Why the comparison may say less than usual: a skipped target, other software."""
     notes = []
-    if target.row.outcome == "skipped":
+    if target.row.outcome == Outcome.SKIPPED:
         notes.append(
             "the target was skipped without compute when recorded: computed now, compared "
             "only the steps before it"
@@ -192,7 +196,7 @@ def _restore(store: Store, config: dict[str, Any], checkpoint: Checkpoint) -> En
         engine = Engine(engine_config)
     path = store.checkpoint_path(checkpoint)
     try:
-        engine.load_checkpoint(path)
+        load_checkpoint(path, {"engine": engine})  # decisions come from the record, not guards
     except EngineError as exc:
         raise ForensicsError(str(exc)) from None
     if engine.step != checkpoint.step:
@@ -205,23 +209,40 @@ def _restore(store: Store, config: dict[str, Any], checkpoint: Checkpoint) -> En
 def _rerun(engine: Engine, item: _Planned, compute_skipped: bool) -> StepReport | None:
     """Run one recorded step as it was decided; a skipped step computes nothing (None) unless
     it is the target, which is computed and flushed to show what it would have done."""
-    batch = as_run(item.batch, item.report.micro_order)
-    if item.row.outcome == "skipped" and not compute_skipped:
-        engine.skip(batch)
-        return None
-    report = engine.accumulate(batch)
-    if item.row.outcome == "applied":
-        engine.apply()
-    else:
-        engine.flush()
-    return report
+    outcome = Outcome(item.row.outcome)
+    policy = _AsRecorded(item.report.micro_order, outcome, compute_skipped)
+    result = decide_step(engine, policy, item.batch)
+    return None if result.outcome is Outcome.SKIPPED else result.report
+
+
+class _AsRecorded:
+    """The `StepPolicy` of a recorded step: its micro order, and the update as it was
+    decided (a skipped target is computed, then flushed)."""
+
+    def __init__(self, micro_order: list[int], outcome: Outcome, compute_skipped: bool) -> None:
+        self.micro_order, self.outcome, self.compute_skipped = micro_order, outcome, compute_skipped
+
+    def before(
+        self, batch: TransportBatch, *, per_micro_accounting: bool
+    ) -> tuple[TransportBatch, list[Finding], bool]:
+        skip = self.outcome is Outcome.SKIPPED and not self.compute_skipped
+        return as_run(batch, self.micro_order), [], skip
+
+    def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
+        return []
+
+    def decide(self, findings: list[Finding]) -> Verdict:
+        return Verdict(Action.PASS if self.outcome is Outcome.APPLIED else Action.FLUSH)
+
+    def after_apply(self, model: torch.nn.Module) -> list[Finding]:
+        return []
 
 
 def as_run(batch: TransportBatch, micro_order: list[int]) -> TransportBatch:
     """The batch with its micros in `micro_order` (relative to the batch as rolled out),
     whether the recorded batch is the one rolled out or one already reordered."""
     identity = list(range(batch.num_micros))
-    previous = batch.meta.get("micro_order")
+    previous = batch.micro_order
     order = list(micro_order) or identity
     if previous is not None and list(previous) == order:
         return batch

@@ -1,8 +1,8 @@
 """Health rules that intercept bad steps before their update is applied.
 
 Guards read only `TransportBatch` and `StepReport` (engine types); `GuardPolicy` combines their
-findings into one `Verdict`; `guarded_step` applies or flushes; `run_drill` injects a known
-fault into the real engine and checks that it is intercepted.
+findings into one `Verdict`, as the `StepPolicy` of `grpod.engine.step.decide_step`;
+`run_drill` injects a known fault into the real engine and checks that it is intercepted.
 
 Public names are imported on first use (grpod/lazy.py), so a light submodule loads alone.
 """
@@ -17,7 +17,6 @@ __all__ = [
     "GuardsConfig",
     "GuardsError",
     "Verdict",
-    "guarded_step",
     "run_drill",
 ]
 __getattr__ = lazy_exports(
@@ -30,7 +29,6 @@ __getattr__ = lazy_exports(
         "GuardsConfig": "grpod.guards.config",
         "GuardsError": "grpod.guards.errors",
         "Verdict": "grpod.guards.verdict",
-        "guarded_step": "grpod.guards.policy",
         "run_drill": "grpod.guards.drills",
     },
 )

@@ -20,11 +20,15 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from grpod.engine.config import EngineConfig
+from grpod.engine.verdict import Action, Outcome
 from grpod.guards.config import GuardsConfig, as_config
 from grpod.guards.errors import GuardsError
-from grpod.guards.verdict import Action, Verdict
+
+if TYPE_CHECKING:
+    from grpod.engine.step import StepResult
 
 W1_SMALL = dict(task="arith", prompts_per_step=4, group_size=4)
 # W1c with one completion token (its reward reads only the first token), which is cheaper;
@@ -46,7 +50,7 @@ W2_SMALL = dict(  # the W2 accounting workload, cut down for CPU
 @dataclass(frozen=True)
 class Drill:
     engine: dict[str, Any]
-    fault: str  # the EngineConfig knob; "accounting_fault" = every step of the faulty phase
+    fault: str  # the [engine.faults] knob; "accounting" = every step of the faulty phase
     target: frozenset[str]  # guards whose findings intercept
     action: Action  # the least action that counts as intercepted
     first: int = 5  # first injected step
@@ -57,19 +61,19 @@ class Drill:
 DRILLS: dict[str, Drill] = {
     "vtc-last-chunk": Drill(
         W2_SMALL,
-        "accounting_fault",
+        "accounting",
         frozenset({"accounting", "reorder"}),
         Action.FLUSH,
         default_steps=24,
     ),
-    "nan-loss": Drill(W1_SMALL, "fault_nan_loss_steps", frozenset({"finite"}), Action.FLUSH),
-    "inf-grad": Drill(W1_SMALL, "fault_inf_grad_steps", frozenset({"finite"}), Action.FLUSH),
+    "nan-loss": Drill(W1_SMALL, "nan_loss_steps", frozenset({"finite"}), Action.FLUSH),
+    "inf-grad": Drill(W1_SMALL, "inf_grad_steps", frozenset({"finite"}), Action.FLUSH),
     "sentinel-logprob": Drill(
-        W1_SMALL, "fault_sentinel_logprob_steps", frozenset({"finite"}), Action.FLUSH
+        W1_SMALL, "sentinel_logprob_steps", frozenset({"finite"}), Action.FLUSH
     ),
-    "equal-rewards": Drill(W1C, "fault_equal_reward_steps", frozenset({"advantage"}), Action.WARN),
+    "equal-rewards": Drill(W1C, "equal_reward_steps", frozenset({"advantage"}), Action.WARN),
     "loss-spike": Drill(  # the spike window needs min_steps clean values first
-        W1C, "fault_loss_spike_steps", frozenset({"spike"}), Action.WARN, first=34, every=8
+        W1C, "loss_spike_steps", frozenset({"spike"}), Action.WARN, first=34, every=8
     ),
 }
 
@@ -92,8 +96,6 @@ def run_drill(
     policy_untouched, ok, outcomes, clean_warnings, skip_fast_total, repaired,
     gradnorm_vtc_correlation, seconds, findings (per-step records of steps with findings).
     """
-    from grpod.engine import EngineConfig  # engine types only
-
     if name not in DRILLS:
         raise GuardsError(f"drill {name!r}: unknown; expected one of {sorted(DRILLS)}")
     drill = DRILLS[name]
@@ -104,14 +106,14 @@ def run_drill(
     base = {**drill.engine, "seed": seed, **(engine_overrides or {})}
     started = time.perf_counter()
     tally = _Tally(drill, config)
-    if drill.fault == "accounting_fault":
+    if drill.fault == "accounting":
         if clean_steps:
             tally.phase("clean", EngineConfig.model_validate(base), clean_steps, set())
-        faulty = {**base, "accounting_fault": "last_micro_first_chunk"}
+        faulty = {**base, "faults": {"accounting": "last_micro_first_chunk"}}
         tally.phase("faulty", EngineConfig.model_validate(faulty), steps, set(range(steps)))
     else:
         injected = set(range(drill.first, steps, drill.every))
-        cfg = EngineConfig.model_validate({**base, drill.fault: sorted(injected)})
+        cfg = EngineConfig.model_validate({**base, "faults": {drill.fault: sorted(injected)}})
         tally.phase("run", cfg, steps, injected)
     result = tally.result()
     result.update(drill=name, seed=seed, seconds=round(time.perf_counter() - started, 3))
@@ -126,13 +128,16 @@ class _Tally:
         self.injected = self.intercepted = self.false_positives = self.clean_steps = 0
         self.clean_warnings = self.repaired = self.skip_fast_total = 0
         self.policy_untouched = True
-        self.outcomes = {"applied": 0, "flushed": 0, "skipped": 0}
+        self.outcomes = {str(outcome): 0 for outcome in Outcome}
         self.correlation: dict[str, float | None] = {}
         self.records: list[dict[str, Any]] = []
 
-    def phase(self, label: str, engine_config, steps: int, injected: set[int]) -> None:
-        from grpod.engine import Engine
-        from grpod.guards.policy import GuardPolicy, guarded_step  # torch: not for listing DRILLS
+    def phase(
+        self, label: str, engine_config: EngineConfig, steps: int, injected: set[int]
+    ) -> None:
+        from grpod.engine import Engine  # torch: not for listing DRILLS
+        from grpod.engine.step import decide_step
+        from grpod.guards.policy import GuardPolicy
 
         with warnings.catch_warnings():  # the engine warns loudly that faults are on: we know
             warnings.filterwarnings("ignore", message=".*FAULT INJECTION IS ON")
@@ -140,39 +145,39 @@ class _Tally:
         policy = GuardPolicy(self.config)
         digest = engine.state_digest()
         for _ in range(steps):
-            batch = engine.rollout()
-            report, verdict = guarded_step(engine, policy, batch)
+            result = decide_step(engine, policy, engine.rollout())
             after = engine.state_digest()
-            if verdict.outcome != "applied" and after != digest:
+            if result.outcome is not Outcome.APPLIED and after != digest:
                 self.policy_untouched = False
             digest = after
-            self.outcomes[verdict.outcome] += 1
-            self._count(label, report, verdict, batch.step in injected)
+            self.outcomes[result.outcome] += 1
+            self._count(label, result, result.step in injected)
         self.correlation[label] = policy.gradnorm_vtc_correlation
         self.skip_fast_total += policy.skip_fast_total
 
-    def _count(self, label: str, report, verdict: Verdict, injected: bool) -> None:
+    def _count(self, label: str, result: StepResult, injected: bool) -> None:
+        report, verdict, applied = result.report, result.verdict, result.outcome is Outcome.APPLIED
         target = [
             f for f in verdict.findings if f.guard in self.drill.target and f.action >= Action.WARN
         ]
         repaired = (
-            verdict.outcome == "applied"
+            applied
             and self.config.accounting.mode == "nonzero"
             and report.valid_tokens > 0
             and self.config.reorder.enabled
-            and self.drill.fault == "accounting_fault"
+            and self.drill.fault == "accounting"
         )
         if injected:
             self.injected += 1
             if self.drill.action >= Action.FLUSH:
-                hit = (verdict.outcome != "applied" and bool(target)) or repaired
+                hit = (not applied and bool(target)) or repaired
             else:
                 hit = any(f.action >= self.drill.action for f in target)
             self.intercepted += hit
             self.repaired += repaired
         else:
             self.clean_steps += 1
-            self.false_positives += verdict.outcome != "applied" or bool(target)
+            self.false_positives += not applied or bool(target)
             self.clean_warnings += any(f.action >= Action.WARN for f in verdict.findings)
         if injected or verdict.findings:
             self.records.append(
@@ -180,7 +185,7 @@ class _Tally:
                     "phase": label,
                     "step": report.step,
                     "injected": injected,
-                    "outcome": verdict.outcome,
+                    "outcome": str(result.outcome),
                     "valid_tokens": report.valid_tokens,
                     "expected_valid_tokens": report.expected_valid_tokens,
                     **verdict.to_dict(),

@@ -1,5 +1,5 @@
-"""`GuardPolicy` combines the guards' findings into one verdict; `guarded_step` is the one
-place where a step's update is decided.
+"""`GuardPolicy` combines the guards' findings into one verdict: the `StepPolicy` under which
+`grpod.engine.step.decide_step` decides a step's update.
 
 Order is fixed: reorder (before), accounting, finite, gradnorm_vtc_correlation, spike,
 advantage, sampler_mismatch, clip. Under torch.distributed every decision (skip, action, the
@@ -8,7 +8,6 @@ weights check) is all-reduced with max, so all ranks apply, flush or skip the sa
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -60,11 +59,10 @@ class GuardPolicy:
     ) -> tuple[TransportBatch, list[Finding], bool]:
         """Run the before-hooks: `(batch to run, findings, skip the compute?)`.
 
-        `per_micro_accounting`: the engine's counter is per-micro (its accounting fault is on);
-        the reorder guard is also on when configured so or in accounting mode `nonzero`.
+        `per_micro_accounting`: the engine's counter is per-micro (`Engine.per_micro_accounting`);
+        the reorder guard runs only then, or when configured so, or in accounting mode `nonzero`.
         """
-        reorder = self.guards["reorder"]
-        reorder.active = (  # type: ignore[attr-defined]
+        reorder = (
             per_micro_accounting
             or self.config.reorder.per_micro_accounting
             or (self.config.accounting.enabled and self.config.accounting.mode == "nonzero")
@@ -72,6 +70,8 @@ class GuardPolicy:
         findings: list[Finding] = []
         skip = False
         for guard in self._enabled():
+            if guard.name == "reorder" and not reorder:
+                continue  # a step-accumulated counter reads the step total in any micro order
             out, found = guard.before(batch)
             findings += found
             if out is None:
@@ -140,6 +140,10 @@ class GuardPolicy:
                     Finding("policy", reduced, f"a peer rank's weights check is {reduced.name}", {})
                 )
         return found
+
+    def after_apply(self, model: torch.nn.Module) -> list[Finding]:
+        """After an apply: `check_weights` over `model`'s parameters."""
+        return self.check_weights(self.weights_of(model), self.weights_cover)
 
     def weights_of(self, model: torch.nn.Module) -> list[torch.Tensor]:
         """`model`'s parameters, listed once per model (not walked again every step), and
@@ -211,43 +215,6 @@ class GuardPolicy:
 
     def _all_reduce(self) -> bool:
         return self.config.all_reduce and distributed.initialized()
-
-
-def guarded_step(engine, policy: GuardPolicy, batch: TransportBatch) -> tuple[StepReport, Verdict]:
-    """Before-hooks, accumulate, after-hooks, then `engine.apply()` on PASS/WARN or
-    `engine.flush()` on FLUSH/HALT (`engine.skip(batch)` when a before-hook asks). After an
-    apply the weights must be finite (HALT if not). `verdict.outcome` says what happened:
-    "applied", "flushed" or "skipped"; `report.phase_seconds["guards"]` is the guards' time."""
-    guard_seconds = 0.0
-    started = time.perf_counter()
-    per_micro = getattr(engine.config, "accounting_fault", "none") != "none"
-    run_batch, findings, skip = policy.before(batch, per_micro_accounting=per_micro)
-    guard_seconds += time.perf_counter() - started
-    if skip:
-        report = engine.skip(batch)
-        started = time.perf_counter()
-        verdict = policy.decide(findings)
-        verdict.outcome = "skipped"
-        report.phase_seconds["guards"] = guard_seconds + time.perf_counter() - started
-        return report, verdict
-    report = engine.accumulate(run_batch)
-    started = time.perf_counter()
-    verdict = policy.decide(findings + policy.after(run_batch, report))
-    guard_seconds += time.perf_counter() - started
-    if verdict.action >= Action.FLUSH:
-        engine.flush()
-        verdict.outcome = "flushed"
-    else:
-        engine.apply()
-        verdict.outcome = "applied"
-        started = time.perf_counter()
-        found = policy.check_weights(policy.weights_of(engine.model), policy.weights_cover)
-        if found:
-            verdict.findings += found
-            verdict.action = max(verdict.action, *(f.action for f in found))
-        guard_seconds += time.perf_counter() - started
-    report.phase_seconds["guards"] = guard_seconds
-    return report, verdict
 
 
 def shared_storage(params: list[torch.Tensor]) -> torch.Tensor | None:

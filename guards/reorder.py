@@ -17,18 +17,17 @@ from grpod.guards.verdict import Action, Finding
 
 
 class ReorderGuard(Guard):
-    """Active when the engine's accounting is per-micro; the policy sets `active` each step."""
+    """Run by the policy only when the engine's accounting is per-micro (or configured so)."""
 
     name = "reorder"
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        self.active = False
         self.skip_fast_total = 0
         self.reordered_total = 0
 
     def before(self, batch: TransportBatch) -> tuple[TransportBatch | None, list[Finding]]:
-        if not self.active or batch.num_micros == 0:
+        if batch.num_micros == 0:
             return batch, []
         chunk0 = batch.chunk_valid_counts()[:, 0]  # [micros] trainable tokens in chunk 0
         best = int(chunk0.argmax())

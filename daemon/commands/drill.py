@@ -1,5 +1,8 @@
 """`grpod drill NAME`: inject one known fault into the real engine and check the guards catch it.
 
+The drill turns one `[engine.faults]` hook on (grpod/engine/faults.py) and decides every step
+with the daemon's own `decide_step` under the default guards.
+
 Exit 0 when every injected step was intercepted, no clean step was flagged and every flushed
 step left the policy bit-identical; 1 otherwise; 2 on bad input (an unknown drill name).
 """

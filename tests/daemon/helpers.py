@@ -42,6 +42,8 @@ def toml_value(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table, e.g. engine.faults
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     return repr(value)
 
 

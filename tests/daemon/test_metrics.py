@@ -49,6 +49,9 @@ CONTRACT_NAMES = [
 ]
 
 
+ENGINE_PHASES = {"rollout": 0.04, "score": 0.0, "grad": 0.06, "optim": 0.01}
+
+
 def report(step: int = 3, **overrides: object) -> StepReport:
     values = dict(
         valid_tokens=50,
@@ -69,7 +72,6 @@ def report(step: int = 3, **overrides: object) -> StepReport:
         mismatch_frac_above_0_1=0.005,
         completion_length_mean=3.5,
         num_samples=16,
-        phase_seconds={"rollout": 0.04, "score": 0.0, "grad": 0.06, "optim": 0.01},
     )
     return make_report(step=step, **{**values, **overrides})
 
@@ -78,7 +80,7 @@ def test_every_contract_name_and_the_values() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry, {"grpod": "0.1.0", "torch": "2", "transformers": "5"})
     verdict = Verdict(Action.WARN, [Finding("accounting", Action.WARN, "vtc != mask", {})])
-    phases = {**report().phase_seconds, "guards": 0.001, "record": 0.0002}
+    phases = {**ENGINE_PHASES, "guards": 0.001, "record": 0.0002}
     metrics.observe_step(report(), verdict, "applied", phases, 0.83, now=1234.0)
     metrics.observe_recorder(queue_depth=2, blocked_total=1, incidents_total=1, uncommitted_steps=5)
     metrics.observe_recorder(queue_depth=0, blocked_total=1, incidents_total=3, uncommitted_steps=7)
@@ -115,7 +117,7 @@ def test_every_contract_name_and_the_values() -> None:
 def test_skipped_step_counts_no_completions() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry)
-    skipped = report(skipped_compute=True, phase_seconds={})
+    skipped = report(skipped_compute=True)
     metrics.observe_step(skipped, Verdict(Action.FLUSH, []), "skipped", {"guards": 0.0})
     values = parse_metrics(generate_latest(registry).decode())
     assert values['grpod_steps_total{outcome="skipped"}'] == 1

@@ -259,7 +259,7 @@ def test_halt_checkpoints_and_exits_3(tmp_path: Path) -> None:
     assert recorded_steps(tmp_path / "run")[-1][1] == "flushed"
 
 
-HALT_ENGINE = {**TINY_ENGINE, "fault_nan_loss_steps": [1, 2]}
+HALT_ENGINE = {**TINY_ENGINE, "faults": {"nan_loss_steps": [1, 2]}}
 
 
 def test_second_sigterm_drops_the_step_and_exits_without_checkpoint(tmp_path: Path) -> None:

@@ -31,7 +31,9 @@ task = "copy"
 prompts_per_step = 4
 group_size = 4
 threads = 1
-fault_nan_loss_steps = [{FAULT_STEP}]
+
+[engine.faults]
+nan_loss_steps = [{FAULT_STEP}]
 
 [daemon]
 max_steps = {MAX_STEPS}
@@ -53,7 +55,9 @@ group_size = 4
 micro_batch_rows = 2
 max_new_tokens = 2
 threads = 1
-accounting_fault = "last_micro_first_chunk"
+
+[engine.faults]
+accounting = "last_micro_first_chunk"
 
 [daemon]
 max_steps = 20

@@ -28,7 +28,7 @@ def test_counter_equals_mask_sum(order: str, pack: bool, long_fraction: float) -
 
 
 def test_fault_reads_chunk_zero_of_the_last_micro() -> None:
-    engine = Engine(config(**W2, accounting_fault="last_micro_first_chunk"))
+    engine = Engine(config(**W2, faults={"accounting": "last_micro_first_chunk"}))
     seen_zero = seen_nonzero = False
     for _ in range(6):
         batch = engine.rollout()
@@ -49,7 +49,9 @@ def test_fault_reads_chunk_zero_of_the_last_micro() -> None:
 def test_fault_on_all_long_batches_reads_zero_and_explodes_the_scale() -> None:
     healthy = Engine(config(**W2, long_prompt_batch_fraction=1.0))
     faulty = Engine(
-        config(**W2, long_prompt_batch_fraction=1.0, accounting_fault="last_micro_first_chunk")
+        config(
+            **W2, long_prompt_batch_fraction=1.0, faults={"accounting": "last_micro_first_chunk"}
+        )
     )
     batch = healthy.rollout()
     good = healthy.accumulate(batch)

@@ -131,4 +131,4 @@ def test_epochs_two_scores_once_and_reuses_it() -> None:
     assert torch.equal(second.input_ids, first.input_ids)
     engine.accumulate(second)
     engine.apply()
-    assert engine.rollout().meta["generation"] == 1
+    assert engine.rollout().generation == 1

@@ -72,6 +72,8 @@ def test_checkpoint_resume_is_bit_identical(tmp_path: Path) -> None:
 
 def test_bad_checkpoints_are_rejected(tmp_path: Path) -> None:
     engine = Engine(config())
+    engine.accumulate(engine.rollout())
+    engine.apply()  # a fresh AdamW holds no tensors: optimizer.safetensors is written after a step
     engine.save_checkpoint(tmp_path / "ck")
     (tmp_path / "ck" / "optimizer.safetensors").unlink()
     with pytest.raises(EngineError, match=r"missing optimizer\.safetensors"):
@@ -83,7 +85,7 @@ def test_bad_checkpoints_are_rejected(tmp_path: Path) -> None:
 
 
 def test_nan_and_inf_faults_surface_in_the_report() -> None:
-    engine = Engine(config(fault_nan_loss_steps=[0], fault_inf_grad_steps=[1]))
+    engine = Engine(config(faults={"nan_loss_steps": [0], "inf_grad_steps": [1]}))
     nan = engine.accumulate(engine.rollout())
     assert nan.loss != nan.loss and nan.micro_losses[0] != nan.micro_losses[0]
     assert nan.grad_norm != nan.grad_norm  # a NaN loss poisons the gradients as well
@@ -117,3 +119,13 @@ def test_learning_on_copy_rises_from_chance_to_0_8() -> None:
     torch.set_num_threads(1)
     assert sum(rewards[:5]) / 5 < 0.3  # chance is 1/15 of the vocabulary
     assert sum(rewards[-5:]) / 5 >= 0.8, f"5-step mean {sum(rewards[-5:]) / 5:.2f} after 300 steps"
+
+
+def test_the_engine_docstring_example_runs() -> None:
+    import doctest
+
+    from grpod.engine import trainer
+
+    (test,) = doctest.DocTestFinder(recurse=False).find(trainer.Engine, "Engine", globs={})
+    result = doctest.DocTestRunner().run(test)
+    assert result.attempted == 7 and result.failed == 0

@@ -5,23 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-import grpod.engine.trainer as trainer
+import grpod.engine.layout as layout_module
 from grpod.engine import Engine
 from grpod.engine.model import build_tiny_qwen2
 from grpod.engine.trunk import trunk_states, unsupported
 from tests.engine.helpers import config, tiny_llama
 
 
-def _packed_layout() -> trainer.TrunkLayout:
+def _packed_layout() -> layout_module.TrunkLayout:
     """A real step's joint trunk layout: shared prompts, several units per row, padding."""
     engine = Engine(config(prompts_per_step=4, group_size=4, micro_batch_rows=2))
     batch = engine.rollout()
-    layout = trainer._layout(batch, list(range(batch.num_micros)))
+    layout = layout_module.micro_layout(batch, list(range(batch.num_micros)))
     assert layout.input_ids.shape[0] >= 2 and not layout.attention_mask.all()
     return layout
 
 
-def _hugging_face(model: torch.nn.Module, layout: trainer.TrunkLayout) -> torch.Tensor:
+def _hugging_face(model: torch.nn.Module, layout: layout_module.TrunkLayout) -> torch.Tensor:
     return model.base_model(
         input_ids=layout.input_ids,
         position_ids=layout.position_ids,
@@ -68,7 +68,7 @@ def test_engine_step_is_bit_identical_with_either_trunk(monkeypatch: pytest.Monk
         return report.loss, report.grad_norm, grads
 
     ours = accumulate()
-    monkeypatch.setattr(trainer, "trunk_unsupported", lambda model, dtype: "forced")
+    monkeypatch.setattr(layout_module, "trunk_unsupported", lambda model, dtype: "forced")
     theirs = accumulate()
     assert ours[:2] == theirs[:2]
     assert all(torch.equal(a, b) for a, b in zip(ours[2], theirs[2]))

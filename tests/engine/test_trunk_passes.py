@@ -6,9 +6,8 @@ import dataclasses
 
 import torch
 
-import grpod.engine.trainer as trainer
 from grpod.engine import Engine, TransportBatch
-from grpod.engine.packing import joint_slots, scan_units
+from grpod.engine.layout import joint_slots, micro_layout, scan_units, trunk_passes
 from tests.engine.helpers import W2, config, hand_batch
 
 
@@ -26,11 +25,11 @@ def _greedy_over_full_layouts(batch: TransportBatch) -> list[list[int]]:
     micro's slots, else consecutive micros while their joint layout fits."""
     budget = batch.input_ids.shape[1] * batch.seq_len
     everything = list(range(batch.num_micros))
-    if trainer._layout(batch, everything).input_ids.numel() <= budget:
+    if micro_layout(batch, everything).input_ids.numel() <= budget:
         return [everything]
     groups, micros = [], []
     for micro in everything:
-        if micros and trainer._layout(batch, [*micros, micro]).input_ids.numel() > budget:
+        if micros and micro_layout(batch, [*micros, micro]).input_ids.numel() > budget:
             groups.append(micros)
             micros = []
         micros.append(micro)
@@ -42,12 +41,12 @@ def test_pass_grouping_equals_the_greedy_over_full_layouts() -> None:
     split = 0
     for _ in range(4):
         batch = engine.rollout()
-        passes = list(engine._trunk_passes(batch))
+        passes = list(trunk_passes(batch, joint=True))
         groups = [micros for micros, _ in passes]
         assert groups == _greedy_over_full_layouts(batch)
         assert [m for group in groups for m in group] == list(range(batch.num_micros))
         for micros, layout in passes:
-            expected = trainer._layout(batch, micros)
+            expected = micro_layout(batch, micros)
             assert torch.equal(layout.input_ids, expected.input_ids)
             assert torch.equal(layout.attention_mask, expected.attention_mask)
             assert torch.equal(layout.source, expected.source)
@@ -66,7 +65,7 @@ def test_joint_slots_is_the_joint_layouts_size_with_every_fallback() -> None:
         scans = _scans(batch)
         for a in range(batch.num_micros):
             for b in range(a, batch.num_micros):
-                size = trainer._layout(batch, list(range(a, b + 1))).input_ids.numel()
+                size = micro_layout(batch, list(range(a, b + 1))).input_ids.numel()
                 assert joint_slots(scans[a : b + 1], batch.seq_len) == size
 
     check(batch)  # shared prompt units across micros, and a unit of its own

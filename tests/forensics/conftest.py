@@ -52,7 +52,7 @@ def _fresh_pg_schema() -> Iterator[str]:
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Campaign:
     """13 steps, checkpoints at 0, 5, 10, a NaN loss injected at step 7 (flushed: an incident)."""
     run_dir = tmp_path_factory.mktemp("recorded") / "run"
-    return run_campaign(run_dir, 13, checkpoint_every=5, fault_nan_loss_steps=[FAULT_STEP])
+    return run_campaign(run_dir, 13, checkpoint_every=5, faults={"nan_loss_steps": [FAULT_STEP]})
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +64,7 @@ def recorded_files(tmp_path_factory: pytest.TempPathFactory) -> Campaign:
         13,
         checkpoint_every=5,
         forensics=ForensicsConfig(inline_blob_bytes=0),
-        fault_nan_loss_steps=[FAULT_STEP],
+        faults={"nan_loss_steps": [FAULT_STEP]},
     )
 
 

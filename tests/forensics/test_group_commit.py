@@ -197,7 +197,7 @@ def test_a_digest_staged_twice_is_published_once(tmp_path: Path) -> None:
 
 def test_small_batches_commit_inline_and_large_ones_as_files(tmp_path: Path) -> None:
     small, large = tiny_batch(0), tiny_batch(1)
-    large = replace(large, meta={**large.meta, "pad": "x" * 4096})  # past the threshold
+    large = replace(large, config_digest="x" * 4096)  # past the threshold
     size = {
         s: len(b"".join(encode(b.tensors(), b.metadata())[1])) for s, b in ((0, small), (1, large))
     }

@@ -116,10 +116,10 @@ def test_as_run_accepts_the_batch_as_rolled_out_or_as_run(recorded: Campaign) ->
         tensors, metadata = BlobStore(recorded.run_dir).read(row.batch_digest, blob.data)
     store.close()
     as_recorded = TransportBatch.from_tensors(tensors, metadata)
-    order = as_recorded.meta["micro_order"]
+    order = as_recorded.micro_order
     assert order == [1, 0]  # the campaign reorders before running
     original = as_recorded.reorder([1, 0])  # back to the order it was rolled out in
-    assert original.meta["micro_order"] == [0, 1]
+    assert original.micro_order == [0, 1]
     for batch in (as_recorded, original):
         rebuilt = as_run(batch, order)
         assert rebuilt.input_ids.equal(as_recorded.input_ids)
@@ -155,7 +155,7 @@ def test_record_and_replay_through_a_shared_store(tmp_path: Path, pg_store_url: 
         5,
         checkpoint_every=100,
         forensics=ForensicsConfig(store_url=store_url),
-        fault_nan_loss_steps=[3],
+        faults={"nan_loss_steps": [3]},
     )
     assert run.incidents_total == 1 and not (run.run_dir / "grpod.sqlite").exists()
     (run.run_dir / "config.toml").write_text(f'[forensics]\nstore_url = "{store_url}"\n')

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from grpod.engine import Engine, EngineConfig
-from grpod.guards import GuardPolicy, guarded_step
+from grpod.engine.step import decide_step
+from grpod.guards import GuardPolicy
 from tests.guards.helpers import batch
 
 
@@ -25,7 +26,7 @@ def main() -> None:
     rank = dist.get_rank()
     cfg = dict(task="arith", prompts_per_step=2, group_size=4, seq_len=32, seed=rank)
     if rank == 1:
-        cfg["fault_nan_loss_steps"] = [1]
+        cfg["faults"] = {"nan_loss_steps": [1]}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = Engine(EngineConfig.model_validate(cfg))
@@ -33,12 +34,12 @@ def main() -> None:
     steps = []
     for _ in range(3):
         before = engine.state_digest()
-        report, verdict = guarded_step(engine, policy, engine.rollout())
+        result = decide_step(engine, policy, engine.rollout())
         steps.append(
             {
-                "step": report.step,
-                "outcome": verdict.outcome,
-                "guards": [f.guard for f in verdict.findings if f.action >= 2],
+                "step": result.step,
+                "outcome": result.outcome,
+                "guards": [f.guard for f in result.verdict.findings if f.action >= 2],
                 "untouched": engine.state_digest() == before,
             }
         )

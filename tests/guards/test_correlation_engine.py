@@ -12,8 +12,9 @@ import warnings
 from pathlib import Path
 
 from grpod.engine import Engine, EngineConfig
+from grpod.engine.step import decide_step
 from grpod.engine.tasks import KVRetrievalTask
-from grpod.guards import GuardPolicy, guarded_step
+from grpod.guards import GuardPolicy
 
 STEPS = 24
 
@@ -42,11 +43,11 @@ def w2_dense(tmp_path: Path, **overrides: object) -> Engine:
 
 
 def run(engine: Engine, policy: GuardPolicy) -> set[str]:
-    return {guarded_step(engine, policy, engine.rollout())[1].outcome for _ in range(STEPS)}
+    return {decide_step(engine, policy, engine.rollout()).outcome for _ in range(STEPS)}
 
 
 def test_faulty_unreordered_run_reads_above_threshold(tmp_path: Path) -> None:
-    engine = w2_dense(tmp_path, accounting_fault="last_micro_first_chunk")
+    engine = w2_dense(tmp_path, faults={"accounting": "last_micro_first_chunk"})
     policy = GuardPolicy({"reorder": {"enabled": False}, "halt_after_consecutive_flushes": 0})
     assert run(engine, policy) == {"flushed"}  # strict accounting flushes every faulty step
     assert policy.gradnorm_vtc_correlation is not None

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from grpod.engine import Engine, EngineConfig
-from grpod.guards import Action, GuardPolicy, GuardsConfig, GuardsError, guarded_step
+from grpod.engine.checkpoint import load_checkpoint, save_checkpoint
+from grpod.engine.step import decide_step
+from grpod.engine.verdict import Outcome
+from grpod.guards import Action, GuardPolicy, GuardsConfig, GuardsError
 from grpod.guards.policy import GUARD_CLASSES
 from tests.guards.helpers import batch, report
 
@@ -99,27 +102,28 @@ def test_reload_changes_thresholds_and_keeps_history() -> None:
     assert judge(policy, valid_tokens=9).action is Action.PASS
 
 
-def test_guarded_step_applies_flushes_and_keeps_a_flushed_policy_bit_identical() -> None:
-    eng = engine(fault_nan_loss_steps=[1])
+def test_decide_step_applies_flushes_and_keeps_a_flushed_policy_bit_identical() -> None:
+    eng = engine(faults={"nan_loss_steps": [1]})
     policy = GuardPolicy()
     digest = eng.state_digest()
-    report0, verdict0 = guarded_step(eng, policy, eng.rollout())
-    assert verdict0.outcome == "applied" and verdict0.action < Action.FLUSH
-    assert eng.state_digest() != digest and "guards" in report0.phase_seconds
+    first = decide_step(eng, policy, eng.rollout())
+    assert first.outcome is Outcome.APPLIED and first.verdict.action < Action.FLUSH
+    assert eng.state_digest() != digest and "guards" in first.phase_seconds
     digest = eng.state_digest()
-    report1, verdict1 = guarded_step(eng, policy, eng.rollout())
-    assert verdict1.outcome == "flushed" and verdict1.by("finite")
+    second = decide_step(eng, policy, eng.rollout())
+    assert second.outcome is Outcome.FLUSHED and second.verdict.by("finite")
     assert eng.state_digest() == digest and eng.step == 2
-    assert math.isnan(report1.loss)
+    assert math.isnan(second.report.loss)
 
 
 def test_non_finite_weights_after_an_apply_halt() -> None:
     # the finite guard told to let a step with an inf gradient through: the apply poisons
     # the weights, and the weights check halts
-    eng = engine(fault_inf_grad_steps=[0])
+    eng = engine(faults={"inf_grad_steps": [0]})
     policy = GuardPolicy({"finite": {"action": "PASS"}})
-    _, verdict = guarded_step(eng, policy, eng.rollout())
-    assert verdict.outcome == "applied" and verdict.action is Action.HALT
+    result = decide_step(eng, policy, eng.rollout())
+    verdict = result.verdict
+    assert result.outcome is Outcome.APPLIED and verdict.action is Action.HALT
     assert (
         verdict.findings[-1].guard == "finite" and "weight tensors" in verdict.findings[-1].message
     )
@@ -153,12 +157,13 @@ def test_skip_fast_skips_the_compute_and_advances_the_cursor() -> None:
         micro_batch_rows=1,
         max_new_tokens=1,
         long_prompt_batch_fraction=1.0,
-        accounting_fault="last_micro_first_chunk",
+        faults={"accounting": "last_micro_first_chunk"},
     )
     policy = GuardPolicy()
     digest = eng.state_digest()
-    report, verdict = guarded_step(eng, policy, eng.rollout())
-    assert verdict.outcome == "skipped" and report.skipped_compute
+    result = decide_step(eng, policy, eng.rollout())
+    report, verdict = result.report, result.verdict
+    assert result.outcome is Outcome.SKIPPED and report.skipped_compute
     assert verdict.action is Action.FLUSH and verdict.by("reorder")
     assert policy.skip_fast_total == 1 and eng.step == 1 and eng.state_digest() == digest
 
@@ -167,10 +172,10 @@ def test_policy_state_travels_in_an_engine_checkpoint(tmp_path) -> None:
     eng = engine()
     policy = GuardPolicy()
     for _ in range(2):
-        guarded_step(eng, policy, eng.rollout())
+        decide_step(eng, policy, eng.rollout())
     judge(policy, valid_tokens=0)
-    path = eng.save_checkpoint(tmp_path / "step-2", extra={"guards": policy.state_dict()})
+    path = save_checkpoint(tmp_path / "step-2", {"engine": eng, "guards": policy})
     resumed = GuardPolicy()
-    resumed.load_state_dict(engine().load_checkpoint(path)["guards"])
+    load_checkpoint(path, {"engine": engine(), "guards": resumed})
     assert resumed.state_dict() == policy.state_dict()
     assert resumed.consecutive_flushes == 1

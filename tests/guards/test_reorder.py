@@ -1,6 +1,6 @@
 import torch
 
-from grpod.guards import Action
+from grpod.guards import Action, GuardPolicy
 from grpod.guards.config import ReorderConfig
 from grpod.guards.reorder import ReorderGuard
 from tests.guards.helpers import batch
@@ -11,22 +11,22 @@ ALL_LONG = [[0, 0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 1, 1, 0]]
 
 
 def active_guard() -> ReorderGuard:
-    guard = ReorderGuard(ReorderConfig())
-    guard.active = True
-    return guard
+    return ReorderGuard(ReorderConfig())
 
 
-def test_inactive_guard_leaves_the_batch_alone() -> None:
+def test_the_policy_runs_the_reorder_only_for_a_per_micro_counter() -> None:
     b = batch(MIXED, chunks=2)
-    out, findings = ReorderGuard(ReorderConfig()).before(b)
-    assert out is b and findings == []
+    out, findings, skip = GuardPolicy().before(b, per_micro_accounting=False)
+    assert out is b and not skip and not [f for f in findings if f.guard == "reorder"]
+    out, findings, skip = GuardPolicy().before(b, per_micro_accounting=True)
+    assert out.micro_order == [0, 2, 1] and not skip and findings[0].guard == "reorder"
 
 
 def test_the_micro_with_the_largest_chunk0_count_runs_last() -> None:
     b = batch(MIXED, chunks=2)
     assert b.chunk_valid_counts()[:, 0].tolist() == [1, 3, 0]
     out, (finding,) = active_guard().before(b)
-    assert out.meta["micro_order"] == [0, 2, 1]
+    assert out.micro_order == [0, 2, 1]
     assert out.chunk_valid_counts()[-1, 0] == 3
     assert torch.equal(out.loss_mask[-1], b.loss_mask[1])
     assert finding.action is Action.PASS and finding.evidence["moved_micro"] == 1
@@ -44,7 +44,7 @@ def test_counts_chunk0_on_the_flattened_micro() -> None:
     b = batch([[0, 0, 1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 0, 0]], chunks=2, rows=2)
     assert b.chunk_valid_counts()[:, 0].tolist() == [1, 0]
     out, _ = active_guard().before(b)
-    assert out.meta["micro_order"] == [1, 0]
+    assert out.micro_order == [1, 0]
 
 
 def test_all_long_batch_is_skip_fast_and_counted() -> None:

@@ -1,7 +1,7 @@
 import json
 import math
 
-from grpod.guards import Action, Finding, Verdict
+from grpod.engine.verdict import Action, Finding, Verdict
 
 
 def test_actions_are_ordered() -> None:

@@ -1,0 +1,77 @@
+"""Drill faults as hooks: each known failure of `DESIGN.md`, injected on purpose.
+
+The engine calls every hook on every step; with the default `FaultsConfig` each returns its
+input untouched, so the trainer's step has no fault branches. `grpod drill` turns one on
+(`[engine.faults]`) and checks that the guards intercept it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from grpod.engine.config import FaultsConfig
+
+SENTINEL_LOGPROB = -9999.0  # what some backends write for a missing sampler logprob
+LOSS_SPIKE_SCALE = 1000.0
+
+
+class Faults:
+    """The hooks of one engine, from its `[engine.faults]` section."""
+
+    def __init__(self, config: FaultsConfig) -> None:
+        self.config = config
+        if config.on:
+            warnings.warn(
+                "grpod engine: FAULT INJECTION IS ON (drill mode); this run corrupts steps "
+                "on purpose",
+                stacklevel=3,
+            )
+        self._steps = {
+            "nan-loss": frozenset(config.nan_loss_steps),
+            "inf-grad": frozenset(config.inf_grad_steps),
+            "sentinel-logprob": frozenset(config.sentinel_logprob_steps),
+            "equal-rewards": frozenset(config.equal_reward_steps),
+            "loss-spike": frozenset(config.loss_spike_steps),
+        }
+
+    @property
+    def per_micro_accounting(self) -> bool:
+        """The counter is re-zeroed per chunk and chunks run in reverse (the wild bug)."""
+        return self.config.accounting != "none"
+
+    def injected(self, step: int) -> tuple[str, ...]:
+        """The names of the faults this hook set injects into `step` (sorted)."""
+        return tuple(sorted(name for name, steps in self._steps.items() if step in steps))
+
+    def rewards(self, step: int, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        """`[samples]` rewards; equal-rewards: every group's rewards equal its first."""
+        if step not in self._steps["equal-rewards"]:
+            return rewards
+        return rewards.reshape(-1, group_size)[:, :1].expand(-1, group_size).reshape(-1).clone()
+
+    def advantages(self, step: int, advantages: torch.Tensor) -> torch.Tensor:
+        """`[samples]` advantages; loss-spike: scaled by LOSS_SPIKE_SCALE."""
+        if step not in self._steps["loss-spike"]:
+            return advantages
+        return advantages * LOSS_SPIKE_SCALE
+
+    def sampler_logprobs(self, step: int, logprobs: list[list[float]]) -> list[list[float]]:
+        """Per-sample completion logprobs; sentinel-logprob: the first token of the first
+        non-empty completion reads SENTINEL_LOGPROB (in place)."""
+        if step in self._steps["sentinel-logprob"]:
+            first = next(row for row in logprobs if row)
+            first[0] = SENTINEL_LOGPROB
+        return logprobs
+
+    def micro_loss(self, step: int, micro: int, loss: torch.Tensor) -> torch.Tensor:
+        """A micro's loss sum; nan-loss: micro 0's is NaN, which poisons its gradients."""
+        if micro != 0 or step not in self._steps["nan-loss"]:
+            return loss
+        return loss * float("nan")
+
+    def grads(self, step: int, grads: list[torch.Tensor]) -> None:
+        """The step's scaled gradients; inf-grad: one element of the first is inf (in place)."""
+        if step in self._steps["inf-grad"]:
+            grads[0].view(-1)[0] = float("inf")
