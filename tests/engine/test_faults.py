@@ -1,0 +1,60 @@
+"""Drill fault hooks: identity by default, each fault only on the steps it names."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from grpod.engine.config import FaultsConfig
+from grpod.engine.faults import LOSS_SPIKE_SCALE, SENTINEL_LOGPROB, Faults
+
+
+def hooks(**config: object) -> Faults:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Faults(FaultsConfig.model_validate(config))
+
+
+def test_default_hooks_return_their_input_untouched() -> None:
+    faults = hooks()
+    rewards, grads = torch.tensor([1.0, 0.0, 0.5, 0.25]), [torch.ones(3)]
+    logprobs = [[], [-0.5, -1.0]]
+    assert faults.rewards(0, rewards, 2) is rewards
+    assert faults.advantages(0, rewards) is rewards
+    assert faults.sampler_logprobs(0, logprobs) == [[], [-0.5, -1.0]]
+    loss = rewards.sum()
+    assert faults.micro_loss(0, 0, loss) is loss
+    faults.grads(0, grads)
+    assert grads[0].tolist() == [1.0, 1.0, 1.0]
+    assert not faults.per_micro_accounting and faults.injected(0) == ()
+
+
+def test_each_fault_hits_only_its_steps() -> None:
+    faults = hooks(
+        nan_loss_steps=[1],
+        inf_grad_steps=[1],
+        sentinel_logprob_steps=[1],
+        equal_reward_steps=[1],
+        loss_spike_steps=[2],
+    )
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
+    assert faults.rewards(1, rewards, 2).tolist() == [1.0, 1.0, 0.5, 0.5]
+    assert faults.rewards(2, rewards, 2) is rewards
+    assert torch.equal(faults.advantages(2, rewards), rewards * LOSS_SPIKE_SCALE)
+    assert faults.sampler_logprobs(1, [[], [-0.5, -1.0]]) == [[], [SENTINEL_LOGPROB, -1.0]]
+    assert math.isnan(faults.micro_loss(1, 0, torch.tensor(2.0)))
+    assert faults.micro_loss(1, 1, torch.tensor(2.0)) == 2.0  # micro 0 only
+    grads = [torch.ones(2)]
+    faults.grads(1, grads)
+    assert grads[0].tolist() == [math.inf, 1.0]
+    assert faults.injected(1) == ("equal-rewards", "inf-grad", "nan-loss", "sentinel-logprob")
+    assert faults.injected(2) == ("loss-spike",) and faults.injected(3) == ()
+
+
+def test_faults_on_warn_and_the_accounting_fault_is_per_micro() -> None:
+    with pytest.warns(UserWarning, match="FAULT INJECTION IS ON"):
+        faults = Faults(FaultsConfig(accounting="last_micro_first_chunk"))
+    assert faults.per_micro_accounting
