@@ -8,7 +8,7 @@ forensics can use them without importing guards.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum, StrEnum
+from enum import Enum, IntEnum
 from typing import Any, Literal
 
 from grpod.jsonsafe import to_json
@@ -28,8 +28,10 @@ class Action(IntEnum):
 ACTION_NAMES: tuple[str, ...] = tuple(a.name for a in Action)  # PASS..HALT, in order
 
 
-class Outcome(StrEnum):
+class Outcome(str, Enum):
     """What became of a step's update (a str: stored, logged and labelled by its value)."""
+
+    __str__ = str.__str__  # "applied", not "Outcome.APPLIED" (enum.StrEnum is Python 3.11+)
 
     APPLIED = "applied"  # optimizer step taken
     FLUSHED = "flushed"  # computed, gradients discarded
@@ -82,4 +84,3 @@ class Verdict:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Verdict:
         return cls(Action[data["action"]], [Finding.from_dict(f) for f in data["findings"]])
-

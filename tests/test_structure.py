@@ -13,8 +13,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -24,8 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".venv", "var", "build", "dist", "node_modules", "__pycache__"}
 SQL_PACKAGES = {"sqlalchemy", "alembic"}  # alembic is SQLAlchemy's migrations: forensics' too
 SQL_ALLOWED = ("forensics", "tests/forensics")  # directories, relative to the root
-# issue 14 item 4 (Stateful checkpoints) removes it; then drop it here and the xfail below
-KNOWN_CYCLES = [frozenset({"grpod.engine.checkpoint", "grpod.engine.trainer"})]
 
 
 def package_dirs() -> dict[str, Path]:
@@ -159,7 +155,7 @@ def test_the_walk_sees_the_layering() -> None:
     """The graph is read right: real edges (module-level, lazy-export and function-level) are
     there, and nothing imports the daemon."""
     graph = import_graph()
-    assert "grpod.engine.trainer" in graph["grpod.engine.checkpoint"]  # TYPE_CHECKING
+    assert "grpod.engine.step" in graph["grpod.guards.drills"]  # TYPE_CHECKING
     assert "grpod.engine.trainer" in graph["grpod.daemon.loop"]  # `from grpod.engine import Engine`
     assert "grpod.forensics.store" in graph["grpod.daemon.commands.status"]  # in a function
     assert "grpod.fileio" in graph["grpod.engine.batch"]
@@ -174,13 +170,6 @@ def test_cycles_are_found() -> None:
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_cycle_beyond_the_known_one() -> None:
-    assert [sorted(c) for c in cycles(import_graph()) if c not in KNOWN_CYCLES] == []
-
-
-@pytest.mark.xfail(
-    strict=True, reason="engine/checkpoint.py <-> engine/trainer.py until issue 14 item 4"
-)
 def test_no_import_cycle() -> None:
     assert [sorted(c) for c in cycles(import_graph())] == []
 
