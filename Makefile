@@ -6,7 +6,9 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 TOOLS := .tools
 PROMTOOL := $(TOOLS)/promtool
-PGDATA := $(CURDIR)/var/pgtest
+# Outside the clone: as root the server runs as `postgres`, which cannot enter a 0700 home
+# or mktemp -d; one data directory per port, removed by `make postgres-stop`.
+PGDATA ?= /tmp/grpod-pgtest-$(PGPORT)
 PGPORT ?= 55432
 
 .PHONY: venv demo test lint fmt promtool postgres postgres-stop clean

@@ -7,10 +7,11 @@ caught once here: one line on stderr, exit code 2. Exit codes are documented in 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from grpod.daemon.exitcodes import EXIT_BAD_INPUT, EXIT_INTERRUPTED
+from grpod.daemon.exitcodes import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,12 +31,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.handler(args) or 0)
+        code = int(args.handler(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside the try, not at interpreter exit
+        return code
     except BAD_INPUT_ERRORS as exc:
         print(f"grpod {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `grpod incidents show 3 | head`: the reader left; no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

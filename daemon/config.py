@@ -29,7 +29,7 @@ DEFAULT_ROOT = Path("var/grpod")  # the embedded default: ./var/grpod/<run-id>, 
 class DaemonConfig(BaseModel):
     """The service around the engine: the loop, checkpoints, metrics, health, logs."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     run_dir: str = Field(
         "", description="run directory; '' = ./var/grpod/<run-id> with ./var/grpod/latest"
@@ -63,7 +63,7 @@ class DaemonConfig(BaseModel):
 class GrpodConfig(BaseModel):
     """The whole grpod.toml. The embedded default trains the tiny model on `copy`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     engine: EngineConfig = Field(default_factory=lambda: EngineConfig(task="copy"))
     guards: GuardsConfig = Field(default_factory=GuardsConfig)

@@ -7,6 +7,7 @@ EXIT_FAILURE = 1  # a failure that is not the input's (or a replay/fsck that did
 EXIT_BAD_INPUT = 2  # bad config, run dir, batch, blob, checkpoint or argument: one line
 EXIT_HALT = 3  # the guards halted the run (after a checkpoint)
 EXIT_INTERRUPTED = 130  # Ctrl-C at the command line (128 + SIGINT)
+EXIT_BROKEN_PIPE = 141  # a reader command whose output pipe closed (128 + SIGPIPE)
 
 
 def exit_by_signal(signum: int) -> int:

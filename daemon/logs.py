@@ -30,7 +30,8 @@ def make_logger(
 
     fmt: "json", "console", or "auto" (console when `stream` is a TTY). `before_write` runs
     before each line (the progress bar clears itself); `drop_events` names events left out
-    of this stream (the progress bar shows `step` instead).
+    of this stream when it is a terminal (the progress bar shows `step` instead); piped to
+    a file or journald every event stays.
     """
     out = sys.stdout if stream is None else stream
     console = fmt == "console" or (fmt == "auto" and _isatty(out))
@@ -39,7 +40,7 @@ def make_logger(
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
     ]
-    if drop_events:
+    if drop_events and _isatty(out):
         processors.append(_Drop(drop_events))
     if console:
         processors.append(structlog.dev.ConsoleRenderer(colors=_isatty(out)))

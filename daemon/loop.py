@@ -23,12 +23,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from grpod.daemon import logs
 from grpod.daemon.config import GrpodConfig, load_config
-from grpod.daemon.errors import ConfigError
+from grpod.daemon.errors import BAD_INPUT_ERRORS, ConfigError
 from grpod.daemon.exitcodes import EXIT_FAILURE, EXIT_HALT, EXIT_OK, exit_by_signal
 from grpod.daemon.health import Health, HealthServer
 from grpod.daemon.metrics import Metrics, mark_process_dead, serving_registry
 from grpod.daemon.notify import Notifier
 from grpod.daemon.progress import Progress, wanted
+from grpod.daemon.retention import Retention
 from grpod.daemon.rundir import Plan, link_latest
 from grpod.daemon.signals import AbandonStep, Signals
 from grpod.engine import Engine
@@ -88,12 +89,16 @@ class Daemon:
         logs.bind_run(self.plan.run_id, self.rank)
         try:
             self._start()
-        except BaseException:
+        except BaseException as exc:
             if self.recorder is not None:
                 with contextlib.suppress(Exception):
                     self.recorder.close()
             self._close_quietly()
-            raise
+            if not self.plan.resume and self.run_dir.held is not None:
+                self.run_dir.discard()  # a fresh run that never started must not be resumed
+            if isinstance(exc, (*BAD_INPUT_ERRORS, KeyboardInterrupt, SystemExit)):
+                raise  # bad input: one line and exit 2 at the CLI
+            return self._failed_to_start(exc)
         try:
             return self._loop()
         except AbandonStep:
@@ -104,6 +109,16 @@ class Daemon:
         finally:
             self.signals.restore()
             logs.clear()
+
+    def _failed_to_start(self, exc: BaseException) -> int:
+        """A system failure before the first step (a full disk): one line, exit 1."""
+        if isinstance(exc, OSError) and exc.strerror:
+            reason = exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+        else:  # e.g. safetensors' own error type for a failed write
+            reason = f"{type(exc).__name__}: {(str(exc).strip() or '?').splitlines()[0]}"
+        self.log.error("failed", error=reason)
+        print(f"grpod run: error: cannot start: {reason}", file=sys.stderr)
+        return EXIT_FAILURE
 
     def _start(self) -> None:
         plan, cfg = self.plan, self.config
@@ -118,6 +133,8 @@ class Daemon:
             for name in plan.run_dir.remove_stale_temporaries():
                 self.log.warning("removed a half-written checkpoint", path=name)
         self.recorder = FlightRecorder(plan.run_dir.path, cfg.forensics)
+        self._retention = Retention(cfg.forensics)
+        self.recorder.store.lock_run_dir()  # PostgreSQL: one writer per run dir across hosts
         restored = self._restore()
         if self.progress is not None:
             self.progress.start = self.engine.step
@@ -238,11 +255,15 @@ class Daemon:
         path = save_checkpoint(
             self.run_dir.checkpoint_path(step), self._states(), extra={"run_id": self.plan.run_id}
         )
+        linked = self._retention.link_unchanged(path)  # before its row: a complete dir
         self.recorder.note_checkpoint(step, path)  # queued after the steps before it
         seconds = time.perf_counter() - started
         self.checkpointed_step = step
         self.metrics.phase_seconds.labels("checkpoint").observe(seconds)
-        self.log.info("checkpoint", reason=reason, path=str(path), seconds=round(seconds, 6))
+        self.log.info(
+            "checkpoint", reason=reason, path=str(path), seconds=round(seconds, 6), linked=linked
+        )
+        self._retention.apply(self.recorder, self.metrics, self.log)
         self.notifier.watchdog()
         self.notifier.status(self._status_line())
 

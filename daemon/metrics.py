@@ -94,6 +94,20 @@ class Metrics:
             "Steps that waited on a full recorder queue",
             registry=registry,
         )
+        self.retained_bytes = gauge(
+            "retained_bytes", "Bytes of checkpoints, batches and store kept after retention"
+        )
+        self.pruned_bytes_total = Counter(
+            "grpod_pruned_bytes_total", "Bytes retention freed", registry=registry
+        )
+        self.pruned_total = Counter(
+            "grpod_pruned_total",
+            "Checkpoints and batch blobs retention deleted",
+            ["kind"],
+            registry=registry,
+        )
+        for kind in ("checkpoint", "batch"):
+            self.pruned_total.labels(kind)
         self.halted = gauge("halted", "1 once a HALT verdict stopped the run", mode="max")
         self.verdict_action = gauge("verdict_action", "Last verdict: 0 PASS .. 3 HALT")
         self.build_info = gauge(
@@ -163,6 +177,13 @@ class Metrics:
             if total > self._seen[key]:
                 counter.inc(total - self._seen[key])
                 self._seen[key] = total
+
+    def observe_retention(self, report: Any) -> None:
+        """One retention pass (a forensics GcReport)."""
+        self.retained_bytes.set(report.kept_bytes)
+        self.pruned_bytes_total.inc(report.freed_bytes)
+        self._child(self.pruned_total, "checkpoint").inc(len(report.checkpoints_deleted))
+        self._child(self.pruned_total, "batch").inc(report.blobs_deleted)
 
 
 def serving_registry(registry: CollectorRegistry) -> CollectorRegistry:

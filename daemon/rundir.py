@@ -20,6 +20,7 @@ from typing import Any
 from grpod.daemon.config import DEFAULT_ROOT, GrpodConfig, load_config, validate
 from grpod.daemon.errors import ConfigError
 from grpod.daemon.example import dump_toml
+from grpod.daemon.lock import RunDirLock
 from grpod.fileio import atomic_dir, write_atomic
 
 CONFIG_NAME = "config.toml"
@@ -33,6 +34,12 @@ class RunDir:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self.held: RunDirLock | None = None  # this process's lock on the directory
+
+    def lock(self) -> None:
+        """Own an existing run directory (ConfigError naming the live holder's pid)."""
+        if self.held is None:
+            self.held = RunDirLock.acquire(self.path)
 
     @property
     def config_path(self) -> Path:
@@ -57,11 +64,29 @@ class RunDir:
     def create(self, run_id: str, config: GrpodConfig) -> None:
         """Make a new run dir atomically: built beside its name, renamed into place (over an
         empty directory if one is there), so a run dir is complete or absent."""
-        with atomic_dir(self.path) as tmp:
-            (tmp / CHECKPOINTS).mkdir()
-            (tmp / CONFIG_NAME).write_text(dump_toml(config), encoding="utf-8")
-            record = {"run_id": run_id, "created_at": time.time(), "config": CONFIG_NAME}
-            (tmp / RUN_NAME).write_text(json.dumps(record) + "\n", encoding="utf-8")
+        try:
+            with atomic_dir(self.path) as tmp:
+                (tmp / CHECKPOINTS).mkdir()
+                # locked before it has its name: a second process never sees it unowned
+                self.held = RunDirLock.acquire(tmp, shown_as=str(self.path))
+                (tmp / CONFIG_NAME).write_text(dump_toml(config), encoding="utf-8")
+                record = {"run_id": run_id, "created_at": time.time(), "config": CONFIG_NAME}
+                (tmp / RUN_NAME).write_text(json.dumps(record) + "\n", encoding="utf-8")
+        except OSError as exc:
+            if self.held is not None:
+                self.held.release()
+                self.held = None
+            if self.is_run():  # another process created it first: name its pid
+                self.lock()
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise ConfigError(
+                f"run dir {self.path}: cannot create: {exc.strerror or exc}{where}"
+            ) from None
+
+    def discard(self) -> None:
+        """Remove a run directory this process created and could not start (nothing in it
+        is a run yet: a restart must not resume it)."""
+        shutil.rmtree(self.path, ignore_errors=True)
 
     def remove_stale_temporaries(self) -> list[str]:
         """Checkpoint directories a killed process left half-written (never referenced)."""

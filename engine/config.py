@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class FaultsConfig(BaseModel):
@@ -49,7 +49,7 @@ class FaultsConfig(BaseModel):
 class EngineConfig(BaseModel):
     """Every knob of a GRPO step. Defaults are the embedded W1 setting."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     # model and task
     model: str = Field("tiny-qwen2", description="'tiny-qwen2' or a local model directory")
@@ -99,7 +99,7 @@ class EngineConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0)
     total_steps: int = Field(1000, ge=1, description="cosine horizon")
     adam_eps: float = Field(1e-8, gt=0.0)
-    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), strict=False)  # TOML has no tuples
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     # reproducibility and threads
@@ -109,6 +109,13 @@ class EngineConfig(BaseModel):
         default_factory=FaultsConfig,
         description="drill fault injection (engine/faults.py); off by default",
     )
+
+    @field_validator("group_size")
+    @classmethod
+    def _groups(cls, value: int) -> int:
+        if value < 2:  # a group of one has zero std: every advantage 0, no learning signal
+            raise ValueError("GRPO needs groups of at least 2 completions per prompt")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -49,10 +49,7 @@ def load_policy(name: str, chars: str, max_positions: int):
         tokenizer = CharTokenizer(chars)
         return build_tiny_qwen2(tokenizer.vocab_size, max(64, max_positions)), tokenizer
     path = Path(name)
-    if not path.is_dir():
-        raise EngineError(f"model {name}: not 'tiny-qwen2' and not a local directory")
-    if not any(path.glob("*.safetensors")):
-        raise EngineError(f"model {name}: no *.safetensors weights in the directory")
+    check_model_dir(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -60,9 +57,18 @@ def load_policy(name: str, chars: str, max_positions: int):
             path, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"
         )
         tokenizer = HFTokenizerAdapter(AutoTokenizer.from_pretrained(path, local_files_only=True))
-    except (OSError, ValueError) as exc:
-        raise EngineError(f"model {name}: cannot load: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # transformers and safetensors raise many types for a bad file
+        text = str(exc).strip() or type(exc).__name__
+        raise EngineError(f"model {name}: cannot load: {text.splitlines()[0]}") from None
     return model.float(), tokenizer
+
+
+def check_model_dir(path: Path) -> None:
+    """A local model directory with safetensors weights, or an EngineError naming it."""
+    if not path.is_dir():
+        raise EngineError(f"model {path}: not 'tiny-qwen2' and not a local directory")
+    if not any(path.glob("*.safetensors")):
+        raise EngineError(f"model {path}: no *.safetensors weights in the directory")
 
 
 def compute_context(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +152,12 @@ class JsonlTask(_FixedPromptTask):
             lines = file.read_text(encoding="utf-8").splitlines()
         except OSError as exc:
             raise EngineError(f"task {path}: cannot read: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            line = file.read_bytes()[: exc.start].count(b"\n") + 1
+            raise EngineError(
+                f"task {path}: line {line} is not UTF-8 (byte 0x{exc.object[exc.start]:02x} "
+                f"at offset {exc.start})"
+            ) from None
         self.prompts = []
         for lineno, line in enumerate(lines, 1):
             if not line.strip():
@@ -172,6 +180,8 @@ def load_reward(spec: str) -> RewardFn:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise EngineError(f"reward {spec!r}: expected module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a reward module beside the config, as `python -m`
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:

@@ -62,3 +62,16 @@ class HFTokenizerAdapter:
         if self.eos_token_id is not None and self.eos_token_id in ids:
             ids = ids[: ids.index(self.eos_token_id)]
         return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def encode_prompt(tokenizer: CharTokenizer | HFTokenizerAdapter, text: str, task: str) -> list[int]:
+    """A prompt's ids as the engine feeds them: the BOS id (when the tokenizer has one), then
+    the text's tokens; an unencodable prompt is an EngineError naming the task."""
+    from grpod.engine.errors import EngineError
+
+    try:
+        ids = tokenizer.encode(text)
+    except ValueError as exc:
+        raise EngineError(f"task {task}: prompt {text[:40]!r}: {exc}") from None
+    bos = tokenizer.bos_token_id
+    return ids if bos is None else [bos, *ids]

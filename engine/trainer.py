@@ -31,6 +31,7 @@ from grpod.engine.report import StepReport
 from grpod.engine.rollout import Rollout, sample
 from grpod.engine.stats import StepStats
 from grpod.engine.tasks import build_task
+from grpod.engine.tokenizer import encode_prompt
 
 PHASES = ("rollout", "score", "grad", "optim")  # the engine's phases, in step order
 
@@ -295,6 +296,9 @@ class Engine:
         cuts = torch.searchsorted(token_index, torch.tensor(bounds)).tolist()
         head = self.model.get_output_embeddings().weight
         chunks = range(batch.sequence_chunks)
+        # the sampler is checked once per generation (its first epoch), against the old
+        # logprobs the ratio uses: after an update the policy has moved on purpose
+        first_epoch = batch.generation * self.config.epochs == batch.step
         if self.chunk_order == "reverse":
             chunks = reversed(chunks)
         micro_loss = hidden.new_zeros((), dtype=torch.float32)
@@ -320,7 +324,7 @@ class Engine:
             chunk_loss = token_loss.loss.sum()
             micro_loss = micro_loss + chunk_loss
             stats.add_chunk(micro, c, chunk_tokens, chunk_loss, self.counter, token_loss)
-            stats.add_logprobs(logprobs.detach(), sampler)
+            stats.add_logprobs(old, sampler if first_epoch else None)
         return micro_loss
 
     def _logprobs(
@@ -398,12 +402,7 @@ class Engine:
         )
 
     def _encode_prompt(self, text: str) -> list[int]:
-        try:
-            ids = self.tokenizer.encode(text)
-        except ValueError as exc:
-            raise EngineError(f"task {self.task.name}: prompt {text[:40]!r}: {exc}") from None
-        bos = self.tokenizer.bos_token_id
-        return ids if bos is None else [bos, *ids]
+        return encode_prompt(self.tokenizer, text, self.task.name)  # as preflight checks it
 
     def take_phase_seconds(self) -> dict[str, float]:
         """Wall-clock seconds of the phases run since the last take: rollout, score, grad,

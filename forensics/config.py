@@ -14,7 +14,7 @@ from grpod.forensics.errors import ForensicsError
 class ForensicsConfig(BaseModel):
     """Where steps are recorded, when an incident opens, and how much history is kept."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     store_url: str = Field(
         "", description="SQLAlchemy URL; '' = SQLite file <run_dir>/grpod.sqlite"
@@ -40,7 +40,18 @@ class ForensicsConfig(BaseModel):
         "0, are files under blobs/sha256/",
     )
     retention_bytes: int = Field(
-        2 * 1024**3, ge=0, description="`grpod gc` size budget for blobs and checkpoints"
+        2 * 1024**3,
+        ge=0,
+        description="disk budget of a run dir (checkpoints, batch blobs, the store file): the "
+        "daemon prunes to it after every checkpoint, as `grpod gc` does; incident pins and the "
+        "newest checkpoint are kept even past it",
+    )
+    keep_checkpoints: int = Field(
+        5,
+        ge=0,
+        description="the daemon keeps the newest K checkpoints (plus those incidents pin) and "
+        "the batches they need, pruning the rest as it runs; 0 = keep every checkpoint and "
+        "prune nothing while running",
     )
     busy_timeout_ms: int = Field(10_000, ge=0, description="SQLite busy_timeout")
 

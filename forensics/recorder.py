@@ -91,6 +91,7 @@ class FlightRecorder:
         self.store = Store(
             self.run_dir, self.config.store_url, busy_timeout_ms=self.config.busy_timeout_ms
         )
+        self.store.refuse_corrupt()
         if upgrade:
             self.store.upgrade()
         else:

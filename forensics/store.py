@@ -7,6 +7,7 @@ the runs of one run directory are told apart by `runs.run_dir`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -103,9 +104,35 @@ class Store:
         if self.is_sqlite:
             _sqlite_pragmas(self.engine, busy_timeout_ms)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._lock_conn: Any = None  # the connection holding the advisory lock, if any
 
     def close(self) -> None:
+        if self._lock_conn is not None:
+            self._lock_conn.close()  # ends the session: PostgreSQL drops its advisory lock
+            self._lock_conn = None
         self.engine.dispose()
+
+    def lock_run_dir(self) -> None:
+        """PostgreSQL: hold a session advisory lock on this run directory until close(), so
+        two hosts sharing the server cannot both write one run (SQLite: the run dir's flock
+        is enough). ForensicsError when another session holds it."""
+        if self.is_sqlite or self._lock_conn is not None:
+            return
+        key = int.from_bytes(hashlib.sha256(f"grpod:{self.run_dir}".encode()).digest()[:8], "big")
+        key -= 1 << 63  # pg advisory keys are signed bigints
+        try:
+            conn = self.engine.connect()
+            held = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()
+            conn.commit()
+        except SQLAlchemyError as exc:
+            raise ForensicsError(f"store {self.label}: {_one_line(exc)}") from None
+        if not held:
+            conn.close()
+            raise ForensicsError(
+                f"store {self.label}: run dir {self.run_dir} is locked by another grpod run "
+                "(PostgreSQL advisory lock)"
+            )
+        self._lock_conn = conn
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -182,6 +209,47 @@ class Store:
                 f"store {self.label}: schema {current} is older than {self.head()}; "
                 "run `grpod db upgrade`"
             )
+
+    def integrity_problems(self, *, quick: bool = False) -> list[str]:
+        """The database's own consistency check, one line ([] = healthy): SQLite's
+        `PRAGMA integrity_check` (`quick_check` when `quick`); a server store (PostgreSQL
+        checks its own pages) only answers. The schema revision is `check_schema`'s."""
+        try:
+            with self.engine.connect() as conn:
+                if not self.is_sqlite:
+                    conn.exec_driver_sql("SELECT 1")
+                    return []
+                pragma = "quick_check" if quick else "integrity_check"
+                rows = [str(r[0]) for r in conn.exec_driver_sql(f"PRAGMA {pragma}")]
+        except SQLAlchemyError as exc:
+            return [f"store {self.label}: {_one_line(exc)}"]
+        if rows == ["ok"]:
+            return []
+        more = f" (+{len(rows) - 3} more)" if len(rows) > 3 else ""
+        return [f"store {self.label}: {pragma}: {'; '.join(rows[:3])}{more}"]
+
+    def file_bytes(self) -> int:
+        """Bytes of the SQLite file with its WAL and shared-memory files (0 for a server)."""
+        if not self.is_sqlite:
+            return 0
+        path = self.url.split("///", 1)[-1]
+        return sum(
+            os.path.getsize(p) for p in (path, path + "-wal", path + "-shm") if os.path.exists(p)
+        )
+
+    def truncate_wal(self) -> None:
+        """SQLite: fold the WAL into the file and truncate it (retention counts it against the
+        budget); a busy reader only postpones it."""
+        if self.is_sqlite:
+            with self.engine.connect() as conn:
+                conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def refuse_corrupt(self) -> None:
+        """ForensicsError when the database fails its quick check: nothing is written into a
+        corrupt store."""
+        problems = self.integrity_problems(quick=True)
+        if problems:
+            raise ForensicsError(f"{problems[0]}; refusing to write into it (see `grpod fsck`)")
 
     # ----------------------------------------------------------------- queries
     def run_ids(self, session: Session) -> list[str]:

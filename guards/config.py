@@ -11,7 +11,7 @@ from grpod.guards.verdict import ActionName
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     enabled: bool = True
 
@@ -68,7 +68,10 @@ class SpikeConfig(_Section):
     level_shift_after: int = Field(
         8, ge=1, description="after this many consecutive spikes a metric's new level is accepted"
     )
-    metrics: tuple[Literal["loss", "grad_norm", "kl"], ...] = ("loss", "grad_norm", "kl")
+    metrics: tuple[Literal["loss", "grad_norm", "kl"], ...] = Field(
+        ("loss", "grad_norm", "kl"),
+        strict=False,  # TOML has no tuples
+    )
     action: ActionName = "WARN"
 
 
@@ -118,7 +121,7 @@ def as_config(config: GuardsConfig | dict | None) -> GuardsConfig:
 class GuardsConfig(BaseModel):
     """Every guard's section, plus the policy's escalation and distributed settings."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     halt_after_consecutive_flushes: int = Field(
         5, ge=0, description="this many flushed steps in a row become a HALT; 0 = never"

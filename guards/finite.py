@@ -63,12 +63,17 @@ class FiniteGuard(Guard):
             findings.append(
                 self.finding(f"grad norm is {report.grad_norm}", grad_norm=report.grad_norm)
             )
-        bad_rewards = int((~torch.isfinite(batch.rewards)).sum())
-        if bad_rewards:
-            findings.append(
+        bad_rewards = (~torch.isfinite(batch.rewards)).nonzero().flatten().tolist()
+        if bad_rewards:  # first: a NaN reward makes the loss NaN, and the cause is the reward
+            first = bad_rewards[0]
+            value = float(batch.rewards[first])
+            findings.insert(
+                0,
                 self.finding(
-                    f"{bad_rewards} rewards are non-finite", nonfinite_rewards=float(bad_rewards)
-                )
+                    f"{len(bad_rewards)} rewards are non-finite (first: sample {first}, {value})",
+                    nonfinite_rewards=float(len(bad_rewards)),
+                    first_sample=float(first),
+                ),
             )
         mask = batch.loss_mask
         for name in ("advantages", "sampler_logprobs", "old_logprobs"):

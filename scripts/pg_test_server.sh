@@ -2,9 +2,11 @@
 # A throwaway PostgreSQL server for the store tests (Debian's postgresql package).
 #   pg_test_server.sh start DATADIR PORT   install if needed, initdb, start on 127.0.0.1:PORT
 #                                          (trust auth), create role and database `grpod`
-#   pg_test_server.sh stop DATADIR PORT    stop it (the data directory stays)
+#   pg_test_server.sh stop DATADIR PORT    stop it and remove the data directory
 # Idempotent: an initialised DATADIR is reused, a running server is left running.
-# As root the server runs as the `postgres` user (PostgreSQL refuses to run as root).
+# As root the server runs as the `postgres` user (PostgreSQL refuses to run as root), so
+# DATADIR must be somewhere `postgres` can reach (the Makefile uses /tmp/grpod-pgtest-PORT,
+# not the clone, which may sit under a 0700 directory).
 set -euo pipefail
 
 die() {
@@ -33,7 +35,7 @@ find_bindir() {
 
 as_owner() {  # run a command as the server's owner
     if [[ "$(id -u)" == "0" ]]; then
-        runuser -u postgres -- "$@"
+        (cd / && runuser -u postgres -- "$@")  # its cwd may be a 0700 clone
     else
         "$@"
     fi
@@ -64,6 +66,9 @@ fi
 
 case "$action" in
 start)
+    if [[ "$(id -u)" == "0" ]] && ! runuser -u postgres -- test -x "$(dirname "$datadir")"; then
+        die "the postgres user cannot reach $(dirname "$datadir") (a 0700 parent?); give a DATADIR under /tmp"
+    fi
     if [[ ! -f "$datadir/PG_VERSION" ]]; then
         mkdir -p "$datadir"
         [[ "$(id -u)" == "0" ]] && chown postgres: "$datadir"
@@ -87,6 +92,9 @@ start)
 stop)
     if running; then
         as_owner "$bindir/pg_ctl" -D "$datadir" -m fast -w stop >/dev/null
+    fi
+    if [[ -f "$datadir/PG_VERSION" ]]; then  # only a data directory this script made
+        rm -rf "$datadir" "$datadir.initdb.log"
     fi
     ;;
 *)

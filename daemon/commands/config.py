@@ -10,8 +10,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     actions = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     example = actions.add_parser("example", help="print every key with its default, commented")
     example.set_defaults(handler=_example)
-    check = actions.add_parser("check", help="validate FILE (exit 2 with the key path if bad)")
-    check.add_argument("file", metavar="FILE")
+    check = actions.add_parser(
+        "check", help="validate each FILE, its model, task and reward (exit 2 if any is bad)"
+    )
+    check.add_argument("files", nargs="+", metavar="FILE")
     check.set_defaults(handler=_check)
 
 
@@ -23,8 +25,21 @@ def _example(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from grpod.daemon.config import load_config
+    """One line per file: `FILE: ok`, or the error naming the thing and the reason."""
+    import sys
 
-    load_config(args.file)  # ConfigError -> one line, exit 2
-    print(f"{args.file}: ok")
-    return 0
+    from grpod.daemon.config import load_config
+    from grpod.daemon.errors import BAD_INPUT_ERRORS
+    from grpod.engine.preflight import preflight
+
+    bad = 0
+    for file in args.files:
+        try:
+            preflight(load_config(file).engine)  # model, tokenizer, prompts, reward
+        except BAD_INPUT_ERRORS as exc:
+            bad += 1
+            where = "" if str(exc).startswith(f"{file}:") else f"{file}: "
+            print(f"grpod config: error: {where}{exc}", file=sys.stderr)
+            continue
+        print(f"{file}: ok")
+    return 2 if bad else 0

@@ -36,6 +36,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.linger is not None:
         overrides["linger_seconds"] = args.linger
     plan = resolve_plan(args.config, args.run_dir, overrides)  # reads only; ConfigError -> 2
+    if plan.resume:
+        plan.run_dir.lock()  # one live run per directory; a fresh one is locked as it is made
+    from grpod.engine.preflight import preflight
+
+    preflight(plan.config.engine)  # before anything is created: EngineError -> exit 2
 
     from grpod.daemon.exitcodes import EXIT_HALT, EXIT_OK
     from grpod.daemon.loop import Daemon

@@ -32,7 +32,7 @@ def _status(args: argparse.Namespace) -> int:
     if live.get("state") in ("starting", "running", "stopping") and not _alive(live.get("pid")):
         live["state"] = "dead (no process; resume with grpod run --run-dir)"
     store_url = _store_url(run)
-    summary = store_summary(run.path, store_url) or {}
+    summary = store_summary(run.path, store_url, strict=True) or {}  # unreadable: exit 2
     result = {"run_dir": str(run.path), "run_id": run.run_id(), **live, **summary}
     if args.json:
         print(json.dumps(result, sort_keys=True))
@@ -52,8 +52,11 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def store_summary(run_dir: str | os.PathLike, store_url: str = "") -> dict[str, Any] | None:
-    """Recorded steps by outcome, re-runs, incidents, the last step; None without a store."""
+def store_summary(
+    run_dir: str | os.PathLike, store_url: str = "", *, strict: bool = False
+) -> dict[str, Any] | None:
+    """Recorded steps by outcome, re-runs, incidents, the last step; None without a store.
+    `strict`: a store that is there but unreadable is a ForensicsError, not None."""
     from grpod.forensics.errors import ForensicsError
     from grpod.forensics.store import Store
 
@@ -64,6 +67,8 @@ def store_summary(run_dir: str | os.PathLike, store_url: str = "") -> dict[str, 
     try:
         summary = store.summary()
     except ForensicsError:
+        if strict:
+            raise
         return None
     finally:
         store.close()

@@ -140,6 +140,11 @@ def run_to_end(args: list[str], cwd: Path, env: dict[str, str] | None = None) ->
     return g
 
 
+def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """A `grpod` command (not `run`'s service loop) to its end, output captured."""
+    return subprocess.run([GRPOD, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:

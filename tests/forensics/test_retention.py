@@ -45,6 +45,16 @@ def test_gc_keeps_incident_pins_and_the_newest_checkpoint(run_copy: Path) -> Non
         replay(run_copy, step=9)
 
 
+def test_gc_keeps_the_newest_checkpoints_and_the_pinned_ones(run_copy: Path) -> None:
+    before = sorted(p.name for p in (run_copy / "checkpoints").iterdir())
+    kept = gc(run_copy, budget_bytes=1 << 40, keep_checkpoints=1)
+    after = sorted(p.name for p in (run_copy / "checkpoints").iterdir())
+    assert kept.checkpoints_deleted == [0] and "step-00000000" in before
+    assert after == [name for name in before if name != "step-00000000"]
+    assert kept.freed_bytes > 0 and fsck(run_copy).ok
+    assert replay(run_copy, incident_id=1).reproduced
+
+
 def test_fsck_names_a_damaged_blob(run_copy: Path, capsys: pytest.CaptureFixture) -> None:
     digest = sorted(blob_rows(run_copy))[0]
     damage_blob(run_copy, digest)

@@ -30,7 +30,13 @@ def test_non_finite_loss_micro_loss_and_grad_norm_flush() -> None:
 
 def test_non_finite_reward_flushes() -> None:
     found = GUARD.after(batch(rewards=[1.0, math.nan]), report())
-    assert messages(found) == ["1 rewards are non-finite"]
+    assert messages(found) == ["1 rewards are non-finite (first: sample 1, nan)"]
+    assert found[0].evidence["first_sample"] == 1.0
+
+
+def test_a_nan_reward_is_named_before_the_nan_loss_it_causes() -> None:
+    found = GUARD.after(batch(rewards=[math.inf, math.nan]), report(loss=math.nan))
+    assert messages(found) == ["2 rewards are non-finite (first: sample 0, inf)", "loss is nan"]
 
 
 def test_non_finite_values_count_only_on_trainable_tokens() -> None:

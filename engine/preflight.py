@@ -1,0 +1,151 @@
+"""Everything about a model, tokenizer, task and reward that can be known before the first step.
+
+`preflight(config)` runs in `grpod config check` and at the start of `grpod run`, before
+anything is created: the model directory's files (tokenizer files present, safetensors
+complete), its config (vocabulary, positions), the tokenizer's pad/eos/bos ids inside the
+model's vocabulary, every prompt of a fixed task encoded and within `seq_len`, vLLM
+importable when selected, and the reward imported and called on one sample. The first
+problem is an EngineError naming the thing and the reason. The weights themselves are not
+loaded (a large model would make `config check` slow); `Engine` loads them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+from grpod.engine.config import EngineConfig
+from grpod.engine.errors import EngineError
+from grpod.engine.tasks import Task, build_task
+from grpod.engine.tokenizer import CharTokenizer, encode_prompt
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def preflight(config: EngineConfig) -> None:
+    """Raise EngineError on the first input problem a run of `config` would hit."""
+    if config.rollout_backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise EngineError("rollout_backend vllm: vllm is not installed (pip install 'grpod[gpu]')")
+    task = build_task(config.task, config.reward, config.long_prompt_batch_fraction)
+    if config.model == "tiny-qwen2":
+        tokenizer: Any = CharTokenizer(task.chars)
+        vocab_size, positions = tokenizer.vocab_size, None
+    else:
+        tokenizer, vocab_size, positions = _model_dir(Path(config.model))
+    if positions is not None and config.seq_len > positions:
+        raise EngineError(
+            f"model {config.model}: seq_len {config.seq_len} exceeds its "
+            f"max_position_embeddings {positions}"
+        )
+    _special_ids(config.model, tokenizer, vocab_size)
+    _prompts(config, task, tokenizer, vocab_size)
+    _reward_once(config, task)
+
+
+def _model_dir(path: Path) -> tuple[Any, int, int | None]:
+    """(tokenizer, vocab size, max positions) of a local HF directory; files checked first."""
+    from grpod.engine.model import check_model_dir
+
+    check_model_dir(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise EngineError(f"model {path}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    for weights in sorted(path.glob("*.safetensors")):
+        _check_safetensors(weights)
+    from transformers import AutoConfig, AutoTokenizer
+
+    from grpod.engine.tokenizer import HFTokenizerAdapter
+
+    try:
+        model_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        tokenizer = HFTokenizerAdapter(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    except Exception as exc:  # transformers raises many types for one bad file
+        raise EngineError(f"model {path}: cannot load: {_first_line(exc)}") from None
+    text_config = getattr(model_config, "text_config", None) or model_config
+    vocab = getattr(text_config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise EngineError(f"model {path}: config.json has no vocab_size")
+    return tokenizer, vocab, getattr(text_config, "max_position_embeddings", None)
+
+
+def _check_safetensors(path: Path) -> None:
+    """The header parses and the file holds every byte its tensors' offsets name."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            if length > size - 8:
+                raise ValueError(f"header of {length} bytes in a {size}-byte file")
+            header = json.loads(fh.read(length))
+        end = max(
+            (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+        )
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise EngineError(f"model {path}: not a safetensors file ({exc})") from None
+    if 8 + length + end > size:
+        raise EngineError(
+            f"model {path}: truncated: {size} bytes, its tensors need {8 + length + end}"
+        )
+
+
+def _special_ids(model: str, tokenizer: Any, vocab_size: int) -> None:
+    if tokenizer.eos_token_id is None:
+        raise EngineError(f"tokenizer of {model}: no eos token (rollouts could never stop)")
+    if tokenizer.pad_token_id is None:
+        raise EngineError(f"tokenizer of {model}: no pad token and no eos token to pad with")
+    for name in ("pad", "eos", "bos"):
+        value = getattr(tokenizer, f"{name}_token_id")
+        if value is not None and not 0 <= value < vocab_size:
+            raise EngineError(
+                f"tokenizer of {model}: {name} token id {value} is outside the model's "
+                f"vocabulary of {vocab_size}"
+            )
+
+
+def _prompts(config: EngineConfig, task: Task, tokenizer: Any, vocab_size: int) -> None:
+    """Every prompt of a fixed-prompt task, encoded as the engine will: ids in the vocabulary,
+    and room for `max_new_tokens` within `seq_len`."""
+    prompts = getattr(task, "prompts", None)
+    if prompts is None:  # generated per step (kv-retrieval): bounded by its own construction
+        return
+    room = config.seq_len - config.max_new_tokens
+    for index, prompt in enumerate(prompts):
+        ids = encode_prompt(tokenizer, prompt.text, task.name)
+        if len(ids) > room:
+            raise EngineError(
+                f"task {task.name}: prompt {index} ({prompt.text[:40]!r}) is {len(ids)} tokens; "
+                f"seq_len {config.seq_len} leaves {room} after max_new_tokens "
+                f"{config.max_new_tokens}"
+            )
+        if ids and max(ids) >= vocab_size:
+            raise EngineError(
+                f"task {task.name}: prompt {index} encodes to token id {max(ids)}, outside the "
+                f"model's vocabulary of {vocab_size}"
+            )
+
+
+def _reward_once(config: EngineConfig, task: Task) -> None:
+    """The reward imported and called on the first prompt with its answer as the completion."""
+    prompts = getattr(task, "prompts", None) or task.prompts_for_step(0, 1, config.seed)
+    first = prompts[0]
+    name = config.reward or "the task's reward"
+    try:
+        value = task.reward_fn(first.text, first.answer, first.answer)
+    except Exception as exc:
+        raise EngineError(
+            f"reward {name}: raised on prompt 0 ({first.text[:40]!r}): {type(exc).__name__}: {exc}"
+        ) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise EngineError(
+            f"reward {name}: returned {type(value).__name__}, not a number, on prompt 0"
+        )
+    if not math.isfinite(value):
+        raise EngineError(f"reward {name}: returned {value} on prompt 0")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
