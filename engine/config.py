@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 class FaultsConfig(BaseModel):
     """Drill faults (`[engine.faults]`): each list names the steps it corrupts; empty = off."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     accounting: Literal["none", "last_micro_first_chunk"] = Field(
         "none",

@@ -43,7 +43,8 @@ def test_a_soak_stays_within_retention_bytes_and_incidents_replay(tmp_path: Path
     config = write_config(
         tmp_path / "grpod.toml",
         {
-            "engine": {**ENGINE, "model": str(model), "fault_nan_loss_steps": [*FLUSHED, 150]},
+            "engine": {**ENGINE, "model": str(model)},
+            "engine.faults": {"nan_loss_steps": [*FLUSHED, 150]},
             "guards": {"halt_after_consecutive_flushes": 0},
             "forensics": {
                 "keep_checkpoints": KEEP,
