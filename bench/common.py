@@ -14,6 +14,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import re
 import resource
 import statistics
 import sys
@@ -377,6 +378,30 @@ def versions() -> dict[str, str]:
         out["trl"] = trl.__version__
     except ImportError:
         pass
+    return out
+
+
+def status_kib(key: str) -> int:
+    """A `/proc/self/status` field in KiB (`VmRSS`, `VmHWM`)."""
+    with open("/proc/self/status") as fh:
+        return int(re.search(rf"{key}:\s+(\d+)", fh.read()).group(1))
+
+
+def reset_peak() -> float:
+    """Reset the kernel's RSS high-water mark (`VmHWM`); returns the current RSS in MiB."""
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    return status_kib("VmRSS") / 1024
+
+
+def in_child(target: Callable[..., None], *args: Any) -> dict:
+    """`target(conn, *args)` in a fresh spawned process (its own peak RSS); what it sends."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args))
+    proc.start()
+    out = parent.recv()
+    proc.join()
     return out
 
 

@@ -14,26 +14,12 @@ tiny next to the trunk's activations.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import re
 
-from common import emit, engine_config, set_threads
+from common import emit, engine_config, in_child, reset_peak, set_threads, status_kib
 
 CHUNKS = (1, 4, 16)
 MIB = 1024 * 1024
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as fh:
-        return int(re.search(rf"{key}:\s+(\d+)", fh.read()).group(1))
-
-
-def _reset_peak() -> float:
-    """Reset the high-water mark; returns the current RSS in MiB."""
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
-    return _status_kib("VmRSS") / 1024
 
 
 def _w2_worker(conn, chunks: int, long_fraction: float, steps: int) -> None:
@@ -55,9 +41,9 @@ def _w2_worker(conn, chunks: int, long_fraction: float, steps: int) -> None:
     peaks, logits = [], []
     for _ in range(steps):
         batch = engine.rollout()
-        before = _reset_peak()
+        before = reset_peak()
         engine.accumulate(batch)
-        peaks.append(_status_kib("VmHWM") / 1024 - before)
+        peaks.append(status_kib("VmHWM") / 1024 - before)
         engine.apply()
         rows_per_micro = batch.input_ids.shape[1]
         logits.append(
@@ -93,20 +79,10 @@ def _head_worker(conn, chunks: int, vocab: int, tokens: int, hidden: int) -> Non
     h = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
     w = torch.randn(vocab, hidden, generator=gen, requires_grad=True)
     targets = torch.randint(0, vocab, (tokens,), generator=gen)
-    before = _reset_peak()
+    before = reset_peak()
     token_logprobs(h, w, targets, chunks=chunks).sum().backward()
-    peak = _status_kib("VmHWM") / 1024 - before
+    peak = status_kib("VmHWM") / 1024 - before
     conn.send({"lmhead_chunks": chunks, "peak_mib": round(peak, 1)})
-
-
-def _in_child(target, *args) -> dict:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, *args))
-    proc.start()
-    out = parent.recv()
-    proc.join()
-    return out
 
 
 def main() -> None:
@@ -119,10 +95,10 @@ def main() -> None:
     # children: large buffers straight from mmap, so a freed tensor leaves RSS at once and the
     # high-water mark tracks live memory, not glibc's heap reuse
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    w2 = [_in_child(_w2_worker, c, args.long_fraction, args.steps) for c in CHUNKS]
+    w2 = [in_child(_w2_worker, c, args.long_fraction, args.steps) for c in CHUNKS]
     hidden = 128
     stress = [
-        _in_child(_head_worker, c, args.stress_vocab, args.stress_tokens, hidden) for c in CHUNKS
+        in_child(_head_worker, c, args.stress_vocab, args.stress_tokens, hidden) for c in CHUNKS
     ]
     logits_mib = args.stress_tokens * args.stress_vocab * 4 / MIB
     for row in stress:

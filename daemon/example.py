@@ -58,7 +58,11 @@ def _section(lines: list[str], table: str, model: BaseModel, doc: str) -> None:
         if field.description:
             lines.append(f"# {field.description}")
         constraints = _constraints(field)
-        line = f"#{name} = {_toml_value(value)}" if value is not None else f"#{name} ="
+        if value is None:  # unset by default (TOML has no null): a bare key, its bounds above
+            lines += [f"# unset by default; {constraints}"] if constraints else []
+            lines.append(f"#{name} =")
+            continue
+        line = f"#{name} = {_toml_value(value)}"
         lines.append(f"{line}  # {constraints}" if constraints else line)
     lines.append("")
     for name, value, sub_doc in nested:

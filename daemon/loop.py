@@ -10,6 +10,7 @@ cursor, guard state); steps the store recorded after it are re-run and recorded 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import math
 import os
@@ -227,6 +228,8 @@ class Daemon:
             **report.scalars(),
             "phase_seconds": {k: round(v, 6) for k, v in phases.items()},
         }
+        if report.kv_cache is not None:
+            fields["kv_cache"] = dataclasses.asdict(report.kv_cache)
         if verdict.findings:
             fields["findings"] = [
                 {"guard": f.guard, "action": f.action.name, "message": f.message}

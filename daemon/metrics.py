@@ -59,6 +59,22 @@ class Metrics:
             field: gauge(name, doc) for name, (field, doc) in REPORT_GAUGES.items()
         }
         self.clip_fraction = gauge("clip_fraction", "PPO clip fraction by side", ("side",))
+        self.kv_evicted = gauge(
+            "kv_cache_evicted_prompt_tokens",
+            "Prompt tokens the bounded rollout cache had evicted by the first completion token, "
+            "summed over the step's completions (NaN: dense cache)",
+        )
+        self.kv_fill = gauge(
+            "kv_cache_fill_ratio", "Fraction of the rollout cache's slots in use after the prefill"
+        )
+        self.kv_slots = gauge(
+            "kv_cache_slots", "Rollout KV cache slots per layer (NaN: dense)", ("policy",)
+        )
+        self.kv_protected = gauge(
+            "kv_cache_protected_tokens",
+            "Rollout cache tokens never evicted: attention sinks, H2O grace period",
+            ("kind",),
+        )
         self.correlation = gauge(
             "gradnorm_vtc_correlation", "Correlation of grad norm with 1/valid tokens (guards)"
         )
@@ -138,6 +154,7 @@ class Metrics:
         self._child(self.clip_fraction, "low").set(_number(report.clip_fraction_low))
         self._child(self.clip_fraction, "high").set(_number(report.clip_fraction_high))
         self.correlation.set(_number(gradnorm_vtc_correlation))
+        self._observe_kv_cache(getattr(report, "kv_cache", None))
         self._child(self.steps_total, outcome).inc()
         for finding in verdict.findings:
             self.findings_total.labels(finding.guard, _action_name(finding.action)).inc()
@@ -151,6 +168,15 @@ class Metrics:
             )
         self.step.set(report.step)
         self.last_step_timestamp.set(time.time() if now is None else now)
+
+    def _observe_kv_cache(self, kv: Any) -> None:
+        """The step's rollout cache (`StepReport.kv_cache`; None: dense, every value NaN)."""
+        self.kv_evicted.set(_number(kv and kv.prompt_tokens_evicted))
+        self.kv_fill.set(_number(kv and kv.fill))
+        policy = kv.policy if kv is not None else "dense"  # fixed for a run: one series
+        self._child(self.kv_slots, policy).set(_number(kv and kv.length))
+        self._child(self.kv_protected, "sink").set(_number(kv and kv.sink_tokens))
+        self._child(self.kv_protected, "grace").set(_number(kv and kv.grace_period))
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, looked up once (labels() validates and locks per call)."""

@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from grpod.engine.errors import EngineError
+from grpod.engine.kvcache import CacheStats, KVCacheSpec
 from grpod.fileio import atomic_file
 
 TOKEN_FIELDS: dict[str, torch.dtype] = {
@@ -59,6 +60,8 @@ class TransportBatch:
     generation: int = 0  # step // epochs: the rollout whose samples these are
     injected_faults: tuple[str, ...] = ()  # drill faults injected into this step (faults.py)
     micro_order: list[int] | None = None  # micros reordered from the batch as rolled out
+    kv_cache: KVCacheSpec | None = None  # the rollout's bounded KV cache (None: dense)
+    kv_cache_stats: CacheStats | None = None  # that cache after the prefill
 
     @property
     def num_micros(self) -> int:
@@ -103,7 +106,7 @@ class TransportBatch:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def metadata(self) -> dict[str, str]:
-        return {
+        metadata = {
             "format": FORMAT,
             "step": str(self.step),
             "config_digest": self.config_digest,
@@ -112,6 +115,11 @@ class TransportBatch:
             "injected_faults": ",".join(self.injected_faults),
             "micro_order": "" if self.micro_order is None else json.dumps(self.micro_order),
         }
+        if self.kv_cache is not None:  # absent for a dense rollout: its digest is unchanged
+            metadata["kv_cache"] = self.kv_cache.to_json()
+        if self.kv_cache_stats is not None:
+            metadata["kv_cache_stats"] = self.kv_cache_stats.to_json()
+        return metadata
 
     def save(self, path: str | os.PathLike) -> None:
         """Write to safetensors atomically (temp file, fsync, rename)."""
@@ -172,7 +180,7 @@ class TransportBatch:
             chunks = int(metadata["sequence_chunks"])
             digest = metadata["config_digest"]
             provenance = _provenance(metadata)
-        except (KeyError, ValueError, TypeError) as exc:
+        except (KeyError, ValueError, TypeError, EngineError) as exc:
             raise EngineError(f"batch {source}: bad metadata: {exc!r}") from None
         order = provenance["micro_order"]
         if order is not None and sorted(order) != list(range(token_shape[0])):
@@ -193,8 +201,11 @@ def _provenance(metadata: dict[str, str]) -> dict[str, Any]:
             "micro_order": None if order is None else [int(i) for i in order],
         }
     faults, order = metadata.get("injected_faults", ""), metadata.get("micro_order", "")
+    kv_cache, kv_stats = metadata.get("kv_cache"), metadata.get("kv_cache_stats")
     return {
         "generation": int(metadata.get("generation", "0")),
         "injected_faults": tuple(faults.split(",")) if faults else (),
         "micro_order": [int(i) for i in json.loads(order)] if order else None,
+        "kv_cache": KVCacheSpec.from_json(kv_cache) if kv_cache else None,
+        "kv_cache_stats": CacheStats.from_json(kv_stats) if kv_stats else None,
     }

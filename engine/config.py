@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from grpod.engine.kvcache import KVCacheSpec, default_sinks
+
 
 class FaultsConfig(BaseModel):
     """Drill faults (`[engine.faults]`): each list names the steps it corrupts; empty = off."""
@@ -59,6 +61,12 @@ class EngineConfig(BaseModel):
     long_prompt_batch_fraction: float = Field(
         0.0, ge=0.0, le=1.0, description="kv-retrieval: fraction of all-long-prompt batches"
     )
+    kv_retrieval_records: tuple[int, int] = Field(
+        (4, 48), description="kv-retrieval: the range of records per prompt (inclusive)"
+    )
+    kv_retrieval_asked: Literal["any", "early", "late"] = Field(
+        "any", description="kv-retrieval: the asked key among all, the first or the last quarter"
+    )
     # rollout
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1)
@@ -69,6 +77,17 @@ class EngineConfig(BaseModel):
     rollout_decoder: Literal["auto", "hf"] = Field(
         "auto", description="torch backend: auto = fused static-cache decoder for Qwen2/Llama"
     )
+    rollout_kv_cache: Literal["dense", "lastrec", "h2o"] = Field(
+        "dense",
+        description="torch sampler's KV cache: dense grows with the prompt; lastrec, h2o evict",
+    )
+    kv_cache_length: int = Field(256, ge=1, description="lastrec/h2o: KV slots per layer")
+    kv_sink_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="lastrec/h2o: first tokens never evicted; default min(16, length // 8)",
+    )
+    kv_grace_period: int = Field(0, ge=0, description="h2o: most recent tokens never evicted")
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
     device: str = Field(
         "cpu", pattern=r"^(cpu|cuda(:\d+)?|auto)$", description="cpu | cuda[:N] | auto"
@@ -123,7 +142,61 @@ class EngineConfig(BaseModel):
             raise ValueError(f"seq_len {self.seq_len} leaves no room for a prompt")
         if self.task.endswith(".jsonl") is False and self.task not in BUILTIN_TASKS:
             raise ValueError(f"task must be one of {sorted(BUILTIN_TASKS)} or a .jsonl path")
+        self._check_kv_retrieval()
+        self._check_kv_cache()
         return self
+
+    def _check_kv_retrieval(self) -> None:
+        low, high = self.kv_retrieval_records
+        if not 1 <= low <= high <= MAX_KV_RECORDS:
+            raise ValueError(
+                f"kv_retrieval_records {list(self.kv_retrieval_records)}: need "
+                f"1 <= low <= high <= {MAX_KV_RECORDS} (distinct two-letter keys)"
+            )
+        longest = kv_retrieval_prompt_tokens(high)
+        tiny = self.task == "kv-retrieval" and self.model == "tiny-qwen2"  # character tokens
+        if tiny and longest + self.max_new_tokens > self.seq_len:
+            raise ValueError(
+                f"kv_retrieval_records up to {high} make prompts of {longest} tokens: "
+                f"seq_len {self.seq_len} leaves no room for {self.max_new_tokens} new tokens"
+            )
+
+    def _check_kv_cache(self) -> None:
+        policy = self.rollout_kv_cache
+        if policy == "dense":
+            return
+        if self.rollout_backend != "torch" or self.rollout_decoder != "auto":
+            raise ValueError(
+                f"rollout_kv_cache = {policy!r} runs in the torch sampler's fused decoder: "
+                f"needs rollout_backend = 'torch' and rollout_decoder = 'auto'"
+            )
+        if policy != "h2o" and self.kv_grace_period:
+            raise ValueError(f"kv_grace_period is an h2o setting; rollout_kv_cache is {policy!r}")
+        sinks = self._kv_sinks()
+        if self.kv_cache_length <= sinks + self.kv_grace_period:
+            raise ValueError(
+                f"kv_cache_length {self.kv_cache_length} must exceed the protected tokens "
+                f"(kv_sink_tokens {sinks} + kv_grace_period {self.kv_grace_period})"
+            )
+        if policy == "h2o" and self.tis_cap <= 0:
+            raise ValueError(
+                "rollout_kv_cache = 'h2o' samples through per-head evictions the trainer "
+                "cannot rebuild: it trains with full attention and needs tis_cap > 0"
+            )
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec | None:
+        """The bounded rollout cache in force, or None for the dense cache."""
+        if self.rollout_kv_cache == "dense":
+            return None
+        return KVCacheSpec(
+            self.rollout_kv_cache, self.kv_cache_length, self._kv_sinks(), self.kv_grace_period
+        )
+
+    def _kv_sinks(self) -> int:
+        """`kv_sink_tokens`, or its default for the cache length (an explicit 0 stays 0)."""
+        sinks = self.kv_sink_tokens
+        return default_sinks(self.kv_cache_length) if sinks is None else sinks
 
     def digest(self) -> str:
         """sha256 of the canonical JSON of this config (recorded in every batch)."""
@@ -132,3 +205,9 @@ class EngineConfig(BaseModel):
 
 
 BUILTIN_TASKS = frozenset({"arith", "copy", "kv-retrieval"})
+MAX_KV_RECORDS = 26 * 26  # kv-retrieval's keys are distinct two-letter strings
+
+
+def kv_retrieval_prompt_tokens(records: int) -> int:
+    """Character tokens of a kv-retrieval prompt: `<bos>`, `ab:3;` per record, `?ab=`."""
+    return 1 + 5 * records + 4

@@ -100,6 +100,13 @@ class _Fused:
         self.norm = (base.norm.weight, base.norm.variance_epsilon)
         self.layers = [_fused_layer(layer) for layer in base.layers]
 
+    def rotary_table(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and the signed sine `[max_len, hd]` of positions 0..max_len-1, as `rotate` takes
+        them (looked up per forward instead of recomputed)."""
+        positions = torch.arange(max_len, device=self.embed.device)[None]
+        cos, sin = self.rotary(self.embed[:1], positions)
+        return cos[0], signed(sin[0])
+
     def qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotated q `[n, s, heads, hd]` and k, v `[n, s, kv, hd]` of `x: [n, s, H]`."""
         n, s, _ = x.shape
@@ -152,8 +159,7 @@ class StaticDecoder:
         self.fused = _Fused(model)
         self.head = model.get_output_embeddings().weight
         weight = self.fused.embed
-        cos, sin = self.fused.rotary(weight[:1], torch.arange(max_len, device=weight.device)[None])
-        self.cos, self.sin = cos[0], signed(sin[0])  # [max_len, hd], the sine as `rotate` takes it
+        self.cos, self.sin = self.fused.rotary_table(max_len)
         self.shape = (rows, self.fused.kv_heads, max_len, self.fused.head_dim)
         self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # allocated by the prefill
         self.key_valid = torch.ones(rows, max_len, dtype=torch.bool, device=weight.device)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from grpod.engine.batch import TransportBatch
+from grpod.engine.kvmask import sampled_visibility
 from grpod.engine.model import compute_context
 from grpod.engine.packing import attention_mask, causal_and_eye, first_fit_decreasing
 from grpod.engine.trunk import trunk_states
@@ -80,15 +81,19 @@ def trunk_passes(batch: TransportBatch, joint: bool) -> Iterator[tuple[list[int]
 
 
 def micro_layout(batch: TransportBatch, micros: list[int]) -> TrunkLayout:
-    """The joint trunk layout of consecutive `micros` (their rows stacked)."""
+    """The joint trunk layout of consecutive `micros` (their rows stacked); after a `lastrec`
+    rollout its mask is what the sampler's cache kept (engine/kvmask.py; h2o trains on full
+    attention)."""
     span = slice(micros[0], micros[-1] + 1)
     seq = batch.seq_len
-    return trunk_layout(
-        batch.input_ids[span].reshape(-1, seq),
-        batch.position_ids[span].reshape(-1, seq),
-        batch.sample_ids[span].reshape(-1, seq),
-        batch.loss_mask[span].reshape(-1, seq),
-    )
+    rows = [
+        getattr(batch, name)[span].reshape(-1, seq)
+        for name in ("input_ids", "position_ids", "sample_ids", "loss_mask")
+    ]
+    layout = trunk_layout(*rows)
+    if batch.kv_cache is not None and batch.kv_cache.policy == "lastrec":
+        layout = sampled_visibility(layout, *rows[1:], batch.kv_cache)
+    return layout
 
 
 def run_trunk(

@@ -20,6 +20,18 @@ class ChunkTrace:
 
 
 @dataclass
+class KVCacheReport:
+    """The rollout's bounded KV cache: the settings in force and its state after the prefill."""
+
+    policy: str  # lastrec | h2o
+    length: int  # slots per layer
+    sink_tokens: int
+    grace_period: int
+    prompt_tokens_evicted: float  # summed over the step's completions (layers, heads averaged)
+    fill: float  # mean fraction of slots in use
+
+
+@dataclass
 class StepReport:
     step: int
     valid_tokens: int  # the engine's step counter
@@ -48,6 +60,7 @@ class StepReport:
     micro_order: list[int] = field(default_factory=list)
     chunk_trace: list[ChunkTrace] = field(default_factory=list)
     skipped_compute: bool = False
+    kv_cache: KVCacheReport | None = None  # None: the dense rollout cache
 
     SCALARS = (
         "valid_tokens",
@@ -87,4 +100,6 @@ class StepReport:
         names = {f.name for f in fields(cls)}
         kwargs = {k: from_json(v) for k, v in data.items() if k in names}
         kwargs["chunk_trace"] = [ChunkTrace(**c) for c in data.get("chunk_trace", [])]
+        if data.get("kv_cache") is not None:
+            kwargs["kv_cache"] = KVCacheReport(**kwargs["kv_cache"])
         return cls(**kwargs)

@@ -12,7 +12,10 @@ from typing import Literal
 
 import torch
 
+from grpod.engine.errors import EngineError
 from grpod.engine.fused import StaticDecoder, unsupported
+from grpod.engine.kvcache import CacheStats, KVCacheSpec
+from grpod.engine.kvdecoder import BoundedDecoder
 from grpod.engine.model import compute_context
 
 
@@ -21,6 +24,7 @@ class Rollout:
     completion_ids: torch.Tensor  # [samples, max_new] int64, pad after the stop
     logprobs: torch.Tensor  # [samples, max_new] FP32 logprob under the sampled distribution
     mask: torch.Tensor  # [samples, max_new] bool: generated tokens up to and including EOS
+    cache_stats: CacheStats | None = None  # a bounded KV cache's state after the prefill
 
 
 def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -47,13 +51,15 @@ def sample(
     generator: torch.Generator,
     dtype: str = "float32",
     decoder: Literal["auto", "hf"] = "auto",
+    kv_cache: KVCacheSpec | None = None,
 ) -> Rollout:
     """Sample one completion per prompt (repeat prompts for a group).
 
     Each distinct prompt is prefilled once; its KV cache and first-token logits are then
     fanned out to every completion that shares it (a group's siblings). `decoder="auto"`
     decodes with `engine.fused.StaticDecoder` where it covers the model, `"hf"` always
-    through the Hugging Face forward.
+    through the Hugging Face forward. `kv_cache` bounds the decode cache
+    (`engine.kvdecoder.BoundedDecoder`); only the fused decoder evicts.
     """
     n = len(prompts)
     device = next(model.parameters()).device
@@ -70,9 +76,20 @@ def sample(
     alive = torch.ones(n, dtype=torch.bool, device=device)
     lengths = torch.zeros(n, dtype=torch.long, device=device)
     static = decoder == "auto" and unsupported(model) is None
+    if kv_cache is not None and not static:
+        reason = "rollout_decoder is 'hf'" if decoder == "hf" else unsupported(model)
+        raise EngineError(
+            f"rollout_kv_cache {kv_cache.policy!r}: the Hugging Face decoder cannot evict "
+            f"and the fused decoder does not cover this model ({reason})"
+        )
+    bounded = None
 
     with compute_context(dtype, device):
-        if static:
+        if kv_cache is not None:
+            bounded = BoundedDecoder(model, n, ids.shape[1] + max_new_tokens, kv_cache)
+            logits = bounded.prefill(ids, positions, attn.bool() if ragged else None, fan_out)
+            step = bounded.step
+        elif static:
             fast = StaticDecoder(model, n, ids.shape[1] + max_new_tokens)
             logits = fast.prefill(ids, positions, attn.bool() if ragged else None, fan_out)
             step = fast.step
@@ -94,7 +111,8 @@ def sample(
             step_pos = step_pos + 1
             logits = step(token, step_pos)
     mask = torch.arange(max_new_tokens, device=device)[None, :] < lengths[:, None]
-    return Rollout(out_ids.cpu(), out_lp.cpu(), mask.cpu())
+    stats = None if bounded is None else bounded.stats
+    return Rollout(out_ids.cpu(), out_lp.cpu(), mask.cpu(), stats)
 
 
 def _hf_decoder(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from grpod.engine.advantages import group_advantages
 from grpod.engine.batch import TransportBatch
-from grpod.engine.report import ChunkTrace, StepReport
+from grpod.engine.report import ChunkTrace, KVCacheReport, StepReport
 
 
 class StepStats:
@@ -82,8 +84,25 @@ class StepStats:
                 ChunkTrace(m, c, int(n), float(loss), int(after))
                 for m, c, n, loss, after in self.trace
             ],
+            kv_cache=_kv_cache(batch),
             **mismatch,
         )
+
+
+def _kv_cache(batch: TransportBatch) -> KVCacheReport | None:
+    """The batch's bounded-cache settings and the rollout's cache state, when it had one."""
+    spec = batch.kv_cache
+    if spec is None:
+        return None
+    stats = batch.kv_cache_stats
+    return KVCacheReport(
+        policy=spec.policy,
+        length=spec.length,
+        sink_tokens=spec.sinks,
+        grace_period=spec.grace,
+        prompt_tokens_evicted=math.nan if stats is None else stats.prompt_tokens_evicted,
+        fill=math.nan if stats is None else stats.fill,
+    )
 
 
 def _mismatch(trainer: list[torch.Tensor], sampler: list[torch.Tensor]) -> dict[str, float | None]:

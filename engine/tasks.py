@@ -114,32 +114,53 @@ class KVRetrievalTask(Task):
     """W2: `ab:3;cd:7;...` records then `?key=`; reward 1 iff the first token is the value.
 
     A fraction of steps draw an all-long-prompt batch (every prompt longer than 150 tokens,
-    so a 64-token chunk 0 holds no completion token).
+    so a 64-token chunk 0 holds no completion token). `records` is the inclusive range of
+    records per prompt (e.g. 40..200 for prompts longer than a bounded rollout cache);
+    `asked` picks the asked key among all records, the first quarter (`early`: evicted by a
+    `lastrec` cache unless it is a sink) or the last quarter (`late`).
     """
 
     name = "kv-retrieval"
     chars = "0123456789+=abcdefghijklmnopqrstuvwxyz:;?"
     MIN_RECORDS, MAX_RECORDS, LONG_MIN_RECORDS = 4, 48, 30
 
-    def __init__(self, long_batch_fraction: float = 0.0) -> None:
+    def __init__(
+        self,
+        long_batch_fraction: float = 0.0,
+        records: tuple[int, int] = (MIN_RECORDS, MAX_RECORDS),
+        asked: str = "any",
+    ) -> None:
         self.long_batch_fraction = long_batch_fraction
+        self.records = records
+        self.asked = asked
 
     def is_long_batch(self, step: int, seed: int) -> bool:
         return random.Random(f"long:{seed}:{step}").random() < self.long_batch_fraction
 
     def prompts_for_step(self, step: int, n: int, seed: int) -> list[Prompt]:
         rng = random.Random(f"kv:{seed}:{step}")
-        low = self.LONG_MIN_RECORDS if self.is_long_batch(step, seed) else self.MIN_RECORDS
+        low, high = self.records
+        if self.is_long_batch(step, seed):
+            low = max(low, min(high, self.LONG_MIN_RECORDS))
         letters = "abcdefghijklmnopqrstuvwxyz"
         out = []
         for _ in range(n):
-            count = rng.randint(low, self.MAX_RECORDS)
+            count = rng.randint(low, high)
             keys = rng.sample([a + b for a in letters for b in letters], count)
             values = [str(rng.randint(0, 9)) for _ in keys]
-            asked = rng.randrange(count)
+            asked = self._asked(rng, count)
             body = "".join(f"{k}:{v};" for k, v in zip(keys, values))
             out.append(Prompt(f"{body}?{keys[asked]}=", values[asked]))
         return out
+
+    def _asked(self, rng: random.Random, count: int) -> int:
+        """The asked record's index: any, or one in the first or the last quarter."""
+        if self.asked == "any":
+            return rng.randrange(count)
+        quarter = max(1, count // 4)
+        return (
+            rng.randrange(quarter) if self.asked == "early" else count - 1 - rng.randrange(quarter)
+        )
 
 
 class JsonlTask(_FixedPromptTask):
@@ -191,12 +212,18 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
-def build_task(task: str, reward: str = "", long_batch_fraction: float = 0.0) -> Task:
+def build_task(
+    task: str,
+    reward: str = "",
+    long_batch_fraction: float = 0.0,
+    kv_records: tuple[int, int] = (KVRetrievalTask.MIN_RECORDS, KVRetrievalTask.MAX_RECORDS),
+    kv_asked: str = "any",
+) -> Task:
     """The task named by the config's `task` key."""
     if task == "arith":
         return ArithTask()
     if task == "copy":
         return CopyTask()
     if task == "kv-retrieval":
-        return KVRetrievalTask(long_batch_fraction)
+        return KVRetrievalTask(long_batch_fraction, kv_records, kv_asked)
     return JsonlTask(task, reward)

@@ -23,6 +23,7 @@ from grpod.engine.cursor import DataCursor
 from grpod.engine.errors import EngineError
 from grpod.engine.faults import Faults
 from grpod.engine.flat import flatten_parameters
+from grpod.engine.fused import unsupported as decoder_unsupported
 from grpod.engine.layout import micro_layout, run_trunk, trunk_passes
 from grpod.engine.loss import LossSettings, policy_token_loss, token_logprobs
 from grpod.engine.model import load_policy, resolve_device
@@ -82,9 +83,21 @@ class Engine:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.faults = Faults(config.faults)  # drill hooks: identity unless [engine.faults]
-        self.task = build_task(config.task, config.reward, config.long_prompt_batch_fraction)
+        self.task = build_task(
+            config.task,
+            config.reward,
+            config.long_prompt_batch_fraction,
+            config.kv_retrieval_records,
+            config.kv_retrieval_asked,
+        )
         self.device = resolve_device(config.device)
         self.model, self.tokenizer = load_policy(config.model, self.task.chars, config.seq_len)
+        self.kv_cache = config.kv_cache_spec
+        if self.kv_cache is not None and decoder_unsupported(self.model) is not None:
+            raise EngineError(
+                f"model {config.model}: rollout_kv_cache {self.kv_cache.policy!r} needs the "
+                f"fused decoder, which does not cover it ({decoder_unsupported(self.model)})"
+            )
         self.model.to(self.device)
         # one storage for every parameter: the guards' weights check is then one reduction
         self.flat_weights = flatten_parameters(self.model)
@@ -190,6 +203,8 @@ class Engine:
                 generation=generation,
                 injected_faults=faults.injected(step),
             )
+            # the rollout's bounded cache travels with the batch: the trainer masks by it
+            batch = replace(batch, kv_cache=self.kv_cache, kv_cache_stats=out.cache_stats)
         if cfg.epochs > 1:  # one scoring pass per generation, reused by every epoch
             with self._timed("score"):
                 batch = replace(batch, old_logprobs=self.score(batch))
@@ -398,6 +413,7 @@ class Engine:
             generator=generator,
             dtype=cfg.dtype,
             decoder=cfg.rollout_decoder,
+            kv_cache=self.kv_cache,
             **settings,
         )
 

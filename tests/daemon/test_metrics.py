@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from grpod.daemon.metrics import PHASE_BUCKETS, Metrics
 from grpod.engine import StepReport
+from grpod.engine.report import KVCacheReport
 from grpod.guards import Action, Finding, Verdict
 from tests.daemon.helpers import parse_metrics
 from tests.reports import make_report
@@ -46,6 +47,10 @@ CONTRACT_NAMES = [
     "grpod_halted",
     "grpod_verdict_action",
     "grpod_build_info",
+    "grpod_kv_cache_evicted_prompt_tokens",
+    "grpod_kv_cache_fill_ratio",
+    "grpod_kv_cache_slots",
+    "grpod_kv_cache_protected_tokens",
 ]
 
 
@@ -112,6 +117,21 @@ def test_every_contract_name_and_the_values() -> None:
         if k.startswith("grpod_phase_duration_seconds_bucket{") and 'phase="grad"' in k
     ]
     assert len(le) == len(PHASE_BUCKETS) + 1
+    assert math.isnan(values["grpod_kv_cache_evicted_prompt_tokens"])  # the dense cache
+    assert math.isnan(values['grpod_kv_cache_slots{policy="dense"}'])
+
+
+def test_a_bounded_rollout_cache_publishes_its_settings_and_evictions() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    kv = KVCacheReport("h2o", 256, 16, 4, prompt_tokens_evicted=3072.0, fill=0.875)
+    metrics.observe_step(report(kv_cache=kv), Verdict(Action.PASS, []), "applied", {})
+    values = parse_metrics(generate_latest(registry).decode())
+    assert values["grpod_kv_cache_evicted_prompt_tokens"] == 3072.0
+    assert values["grpod_kv_cache_fill_ratio"] == 0.875
+    assert values['grpod_kv_cache_slots{policy="h2o"}'] == 256
+    assert values['grpod_kv_cache_protected_tokens{kind="sink"}'] == 16
+    assert values['grpod_kv_cache_protected_tokens{kind="grace"}'] == 4
 
 
 def test_skipped_step_counts_no_completions() -> None:

@@ -55,6 +55,10 @@ CONTRACT: dict[str, str] = {
     "grpod_halted": "gauge",
     "grpod_verdict_action": "gauge",
     "grpod_build_info": "gauge",
+    "grpod_kv_cache_evicted_prompt_tokens": "gauge",
+    "grpod_kv_cache_fill_ratio": "gauge",
+    "grpod_kv_cache_slots": "gauge",
+    "grpod_kv_cache_protected_tokens": "gauge",
 }
 # Series Prometheus itself attaches to every target.
 SYNTHETIC = {"up"}
