@@ -180,7 +180,9 @@ class TransportBatch:
             chunks = int(metadata["sequence_chunks"])
             digest = metadata["config_digest"]
             provenance = _provenance(metadata)
-        except (KeyError, ValueError, TypeError, EngineError) as exc:
+        except EngineError as exc:  # a kv cache setting: its message names the field
+            raise EngineError(f"batch {source}: bad metadata: {exc}") from None
+        except (KeyError, ValueError, TypeError) as exc:
             raise EngineError(f"batch {source}: bad metadata: {exc!r}") from None
         order = provenance["micro_order"]
         if order is not None and sorted(order) != list(range(token_shape[0])):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from grpod.engine.errors import EngineError
 
@@ -33,8 +33,25 @@ def default_sinks(length: int) -> int:
     return min(DEFAULT_MAX_SINKS, length // 8)
 
 
+_Record = TypeVar("_Record", bound="_JsonRecord")
+
+
+class _JsonRecord:
+    """A frozen dataclass as one JSON object (a batch's metadata value) and back."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls: type[_Record], text: str) -> _Record:
+        try:
+            return cls(**json.loads(text))
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise EngineError(f"{cls.__name__} {text[:60]!r}: {exc}") from None
+
+
 @dataclass(frozen=True)
-class KVCacheSpec:
+class KVCacheSpec(_JsonRecord):
     """A bounded rollout cache: the policy, slots per layer, sinks and (H2O) grace period."""
 
     policy: Literal["lastrec", "h2o"]
@@ -63,33 +80,13 @@ class KVCacheSpec:
         """The longest prefill chunk: it must fit beside the protected slots."""
         return self.length - self.protected
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> KVCacheSpec:
-        try:
-            return cls(**json.loads(text))
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise EngineError(f"kv cache spec {text[:60]!r}: {exc}") from None
-
 
 @dataclass(frozen=True)
-class CacheStats:
+class CacheStats(_JsonRecord):
     """A rollout's bounded cache after the prefill, over its rows (layers, K/V heads averaged)."""
 
     prompt_tokens_evicted: float  # summed over rows: prompt tokens the first token did not see
     fill: float  # mean fraction of slots in use
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> CacheStats:
-        try:
-            return cls(**json.loads(text))
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise EngineError(f"kv cache stats {text[:60]!r}: {exc}") from None
 
 
 def prefill_chunks(prompt_len: int, spec: KVCacheSpec) -> list[tuple[int, int]]:

@@ -1,22 +1,17 @@
 """What a `lastrec` rollout cache let each query see, as the trainer's attention mask.
 
 engine/kvcache.py says what the policy keeps; `lastrec_visible` is that as a function of
-positions, and `restrict_to_cache` applies it to a trunk layout's mask, so the trainer's
+positions, and `restrict_to_cache` applies it to a trunk layout's mask (engine/layout.py,
+with `cell_prompt_lengths`), so the trainer's
 logprobs are the sampler's (tests/engine/test_kvdecoder.py holds the function to the
 decoder's actual evictions).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING
-
 import torch
 
 from grpod.engine.kvcache import KVCacheSpec
-
-if TYPE_CHECKING:  # layout.py calls into this module
-    from grpod.engine.layout import TrunkLayout
 
 NO_PROMPT = 1 << 40  # the prompt length of a cell that holds no sample (it sees itself only)
 
@@ -68,28 +63,23 @@ def restrict_to_cache(
     return attention_mask & (visible | eye)[:, None]
 
 
-def sampled_visibility(
-    layout: TrunkLayout,
+def cell_prompt_lengths(
+    source: torch.Tensor,
+    shape: torch.Size,
     position_ids: torch.Tensor,
     sample_ids: torch.Tensor,
     loss_mask: torch.Tensor,
-    spec: KVCacheSpec,
-) -> TrunkLayout:
-    """`layout` (of the micro rows `position_ids, sample_ids, loss_mask: [rows, seq]`) with
-    its mask limited to what a `lastrec` sampler saw. A sample's prompt length is the
-    position of its first trainable token (positions restart at 0 per sample)."""
+) -> torch.Tensor:
+    """The prompt length of each cell `shape: [rows', width]` of a trunk layout whose
+    `source` maps the micro rows `position_ids, sample_ids, loss_mask: [rows, seq]` into it.
+    A sample's prompt length is the position of its first trainable token (positions restart
+    at 0 per sample); a cell that holds no sample gets `NO_PROMPT`."""
     positions, samples = position_ids.reshape(-1), sample_ids.reshape(-1).long() + 1
     first = torch.where(loss_mask.reshape(-1), positions, NO_PROMPT)
     prompt_len = torch.full((int(samples.max()) + 1,), NO_PROMPT, dtype=torch.long)
     prompt_len = prompt_len.scatter_reduce(0, samples, first, "amin")  # [samples + 1]
     prompt_len[0] = NO_PROMPT  # padding
-    cells = layout.input_ids.numel()
+    cells = shape.numel()
     cell_prompt = torch.full((cells + 1,), NO_PROMPT, dtype=torch.long)  # + the zero row
-    cell_prompt[layout.source] = prompt_len[samples]  # a shared prompt's members agree
-    mask = restrict_to_cache(
-        layout.attention_mask,
-        layout.position_ids,
-        cell_prompt[:cells].view_as(layout.position_ids),
-        spec,
-    )
-    return replace(layout, attention_mask=mask)
+    cell_prompt[source] = prompt_len[samples]  # a shared prompt's members agree
+    return cell_prompt[:cells].view(shape)

@@ -10,12 +10,12 @@ layout fits one micro's activation budget into one forward and one backward.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from grpod.engine.batch import TransportBatch
-from grpod.engine.kvmask import sampled_visibility
+from grpod.engine.kvmask import cell_prompt_lengths, restrict_to_cache
 from grpod.engine.model import compute_context
 from grpod.engine.packing import attention_mask, causal_and_eye, first_fit_decreasing
 from grpod.engine.trunk import trunk_states
@@ -91,9 +91,12 @@ def micro_layout(batch: TransportBatch, micros: list[int]) -> TrunkLayout:
         for name in ("input_ids", "position_ids", "sample_ids", "loss_mask")
     ]
     layout = trunk_layout(*rows)
-    if batch.kv_cache is not None and batch.kv_cache.policy == "lastrec":
-        layout = sampled_visibility(layout, *rows[1:], batch.kv_cache)
-    return layout
+    if batch.kv_cache is None or batch.kv_cache.policy != "lastrec":
+        return layout
+    shape = layout.position_ids.shape
+    prompt_len = cell_prompt_lengths(layout.source, shape, *rows[1:])
+    mask = restrict_to_cache(layout.attention_mask, layout.position_ids, prompt_len, batch.kv_cache)
+    return replace(layout, attention_mask=mask)
 
 
 def run_trunk(

@@ -62,7 +62,7 @@ def test_prefill_chunks_cover_the_prompt_within_the_cap() -> None:
     with pytest.raises(EngineError, match="grace period is an h2o setting"):
         KVCacheSpec("lastrec", 8, 1, grace=2)
     assert KVCacheSpec.from_json(spec.to_json()) == spec
-    with pytest.raises(EngineError, match="kv cache spec"):
+    with pytest.raises(EngineError, match="KVCacheSpec"):
         KVCacheSpec.from_json('{"policy": "lastrec"}')
 
 
