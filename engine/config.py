@@ -62,7 +62,9 @@ class EngineConfig(BaseModel):
         0.0, ge=0.0, le=1.0, description="kv-retrieval: fraction of all-long-prompt batches"
     )
     kv_retrieval_records: tuple[int, int] = Field(
-        (4, 48), description="kv-retrieval: the range of records per prompt (inclusive)"
+        (4, 48),
+        strict=False,  # TOML has no tuples
+        description="kv-retrieval: the range of records per prompt (inclusive)",
     )
     kv_retrieval_asked: Literal["any", "early", "late"] = Field(
         "any", description="kv-retrieval: the asked key among all, the first or the last quarter"
