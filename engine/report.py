@@ -48,6 +48,8 @@ class StepReport:
     micro_order: list[int] = field(default_factory=list)
     chunk_trace: list[ChunkTrace] = field(default_factory=list)
     skipped_compute: bool = False
+    # mean policy entropy (nats) per trainable token, from the FP32 head; None when not computed
+    entropy: float | None = None
 
     SCALARS = (
         "valid_tokens",
@@ -61,6 +63,7 @@ class StepReport:
         "zero_std_group_fraction",
         "advantage_abs_max",
         "kl",
+        "entropy",
         "clip_fraction_low",
         "clip_fraction_high",
         "mismatch_mean",

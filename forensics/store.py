@@ -289,6 +289,16 @@ class Store:
             session.scalars(select(Incident).where(Incident.run_id.in_(runs)).order_by(Incident.id))
         )
 
+    def open_incidents(self, session: Session) -> list[Incident]:
+        """The episodes still open in this run directory, oldest first."""
+        return [i for i in self.incidents(session) if i.status == "open"]
+
+    def last_recorded_step(self, session: Session) -> int:
+        """The highest step recorded in this run directory; -1 when none is."""
+        query = select(func.max(Step.step)).where(Step.run_id.in_(self.run_ids(session)))
+        found = session.scalar(query)
+        return -1 if found is None else int(found)
+
     def checkpoints(self, session: Session, *, include_deleted: bool = False) -> list[Checkpoint]:
         query = select(Checkpoint).where(Checkpoint.run_id.in_(self.run_ids(session)))
         if not include_deleted:
