@@ -4,7 +4,8 @@ The flight recorder's writer feeds it every step's verdict, in step order. A fin
 (guard, kind) at or above the incident action opens an episode, or extends the open one of
 that key (its last step, its count of steps, its worst step: highest action, then highest
 `evidence["severity"]`); an episode closes once `gap_steps` steps in a row went by without
-its finding. Re-runs of steps already observed (after a resume) change nothing.
+its finding, or when the run stops. Re-runs of steps already observed (after a resume)
+change nothing; the episodes a crash left open continue.
 """
 
 from __future__ import annotations
@@ -94,6 +95,14 @@ class EpisodeTracker:
         """A resumed run: the store's open episodes, and the last step it recorded."""
         self.open = {(e.guard, e.kind): e for e in episodes}
         self.last_step = last_step
+
+    def close_all(self) -> list[Episode]:
+        """Close every open episode (the run stops); returns them."""
+        episodes = list(self.open.values())
+        for episode in episodes:
+            episode.closed = True
+        self.open = {}
+        return episodes
 
     def observe(self, step: int, findings: list[dict[str, Any]]) -> Observation:
         seen = Observation()

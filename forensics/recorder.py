@@ -230,6 +230,7 @@ class FlightRecorder:
             try:
                 if item is _STOP:
                     self._work(self._commit)
+                    self._work(self._close_episodes)
                     return
                 self._work(self._write, item)
             finally:
@@ -248,6 +249,15 @@ class FlightRecorder:
         finally:
             self.write_seconds_total += time.perf_counter() - started
             self.write_cpu_seconds_total += time.thread_time() - cpu
+
+    def _close_episodes(self) -> None:
+        """The run stops: its open episodes end with it (a resumed run opens new ones)."""
+        episodes = self.episodes.close_all()
+        if episodes and self.run_id is not None:
+            with self.store.session() as session:
+                for episode in episodes:
+                    write_episode(session, self.store, self.run_id, episode)
+        self.open_incidents = 0
 
     def _write(self, item: Any) -> None:
         if item is _COMMIT:

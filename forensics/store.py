@@ -46,13 +46,16 @@ class StepPoint:
     reward_mean: float | None
     reward_std: float | None
     grad_norm: float | None
+    entropy: float | None = None  # nats (schema 0003)
 
 
 @dataclass(frozen=True)
 class IncidentMark:
     id: int
-    step: int
+    step: int  # the episode's first step
     action: str  # WARN | FLUSH | HALT
+    guard: str = ""  # "" before schema 0003
+    last_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -360,6 +363,7 @@ class Store:
                     Step.reward_mean,
                     Step.reward_std,
                     Step.grad_norm,
+                    Step.entropy,
                 )
                 .where(Step.run_id.in_(self.run_ids(session)))
                 .order_by(Step.step, Step.id)
@@ -370,7 +374,10 @@ class Store:
     def incident_marks(self) -> list[IncidentMark]:
         """Every incident of the run directory, oldest first."""
         with self.session() as session:
-            return [IncidentMark(i.id, i.step, i.action) for i in self.incidents(session)]
+            return [
+                IncidentMark(i.id, i.step, i.action, i.guard or "", i.last_step)
+                for i in self.incidents(session)
+            ]
 
     def summary(self) -> RunSummary:
         """What `grpod status` reports from the store."""
