@@ -139,6 +139,26 @@ class RollingBest:
         self.best = None if best is None else float(best)
 
 
+class TrendGuard(Guard):
+    """A guard over one `RollingBest` of `config.window` steps, saved with its checkpoint."""
+
+    def __init__(self, config: BaseModel) -> None:
+        self.trend = RollingBest(config.window)
+        super().__init__(config)
+
+    def configure(self, config: BaseModel) -> None:
+        super().configure(config)
+        self.trend.resize(config.window)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trend.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict):
+            raise GuardsError(f"guard {self.name}: saved state is not a mapping")
+        self.trend.load_state_dict(state, self.name)
+
+
 def is_finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from grpod.engine import StepReport, TransportBatch
-from grpod.guards.base import Guard, RollingBest, Window, is_finite, load_floats
-from grpod.guards.errors import GuardsError
+from grpod.guards.base import Guard, TrendGuard, Window, is_finite, load_floats
 from grpod.guards.verdict import Finding
 
 
@@ -22,35 +21,41 @@ class DeadCampaignGuard(Guard):
     fraction is at least `zero_std_fraction_min` (1.0 = every advantage 0 on every step), or
     their largest pre-clip grad norm is at most `grad_norm_max`. A mean over the window, not a
     strict run of steps: a collapsed policy still samples an odd varied group now and then,
-    which must not restart the count. Skipped and non-finite steps are not counted."""
+    which must not restart the count. A campaign that solved its prompts (every group all
+    correct) has no signal either: the reason names the mean reward. Skipped and non-finite
+    steps are not counted."""
 
     name = "dead_campaign"
 
     def __init__(self, config) -> None:
         self.zero_std = Window(config.steps)
         self.grad_norm = Window(config.steps)
+        self.reward = Window(config.steps)
         super().__init__(config)
 
     def configure(self, config) -> None:
         super().configure(config)
-        self.zero_std.resize(config.steps)
-        self.grad_norm.resize(config.steps)
+        for window in (self.zero_std, self.grad_norm, self.reward):
+            window.resize(config.steps)
 
     def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
         if report.skipped_compute or not is_finite(report.grad_norm):
             return []
         self.zero_std.append(report.zero_std_group_fraction)
         self.grad_norm.append(report.grad_norm)
+        self.reward.append(report.reward_mean if is_finite(report.reward_mean) else 0.0)
         steps = self.config.steps
         if len(self.zero_std) < steps:
             return []
         fraction = self.zero_std.mean_std()[0]
         largest = max(self.grad_norm.values)
+        reward = self.reward.mean_std()[0]
         if fraction >= self.config.zero_std_fraction_min:
             reason = (
                 f"no learning signal for {steps} steps: {fraction:.1%} of groups had equal "
-                f"rewards (>= {self.config.zero_std_fraction_min:.0%}); the policy has "
-                "collapsed, every further step is paid for and learns nothing"
+                f"rewards (>= {self.config.zero_std_fraction_min:.0%}, mean reward "
+                f"{reward:.3f}); the policy samples one answer per prompt, every further "
+                "step is paid for and learns nothing"
             )
         elif largest <= self.config.grad_norm_max:
             reason = (
@@ -65,30 +70,25 @@ class DeadCampaignGuard(Guard):
                 steps=float(steps),
                 zero_std_group_fraction=fraction,
                 grad_norm_max=largest,
+                reward_mean=reward,
             )
         ]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"zero_std": list(self.zero_std.values), "grad_norm": list(self.grad_norm.values)}
+        return {
+            name: list(getattr(self, name).values) for name in ("zero_std", "grad_norm", "reward")
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.zero_std = Window(self.config.steps, load_floats(state, "zero_std", self.name))
-        self.grad_norm = Window(self.config.steps, load_floats(state, "grad_norm", self.name))
+        for name in ("zero_std", "grad_norm", "reward"):
+            setattr(self, name, Window(self.config.steps, load_floats(state, name, self.name)))
 
 
-class RewardTrendGuard(Guard):
+class RewardTrendGuard(TrendGuard):
     """WARN when the rolling mean reward over `window` steps has fallen by more than
     `max_drop` (a fraction) from the best it reached (the soak: 0.67 -> 0.199)."""
 
     name = "reward_trend"
-
-    def __init__(self, config) -> None:
-        self.trend = RollingBest(config.window)
-        super().__init__(config)
-
-    def configure(self, config) -> None:
-        super().configure(config)
-        self.trend.resize(config.window)
 
     def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
         if report.skipped_compute or not is_finite(report.reward_mean):
@@ -108,11 +108,3 @@ class RewardTrendGuard(Guard):
                 severity=drop,
             )
         ]
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.trend.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict):
-            raise GuardsError(f"guard {self.name}: saved state is not a mapping")
-        self.trend.load_state_dict(state, self.name)

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from grpod.engine import StepReport, TransportBatch
-from grpod.guards.base import Guard, RollingBest, is_finite
-from grpod.guards.errors import GuardsError
+from grpod.guards.base import TrendGuard, is_finite
 from grpod.guards.verdict import Finding
 
 
-class EntropyGuard(Guard):
+class EntropyGuard(TrendGuard):
     """WARN when the rolling mean (over `window` steps) of the report's policy entropy is
     below `floor` nats, or has fallen by more than `max_drop` (a fraction) from its best. A
     step without an entropy (skipped, or an engine that does not report one) is not counted."""
 
     name = "entropy"
-
-    def __init__(self, config) -> None:
-        self.trend = RollingBest(config.window)
-        super().__init__(config)
-
-    def configure(self, config) -> None:
-        super().configure(config)
-        self.trend.resize(config.window)
 
     def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
         if report.skipped_compute or not is_finite(report.entropy):
@@ -49,11 +38,3 @@ class EntropyGuard(Guard):
                 )
             ]
         return []
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.trend.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict):
-            raise GuardsError(f"guard {self.name}: saved state is not a mapping")
-        self.trend.load_state_dict(state, self.name)
