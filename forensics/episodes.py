@@ -159,6 +159,10 @@ def write_episode(session: Any, store: Store, run_id: str, episode: Episode) -> 
     if row is None or row.worst_step != episode.worst_step:
         worst = _pin(session, store, episode.worst_step)
         values["worst_checkpoint_id"] = None if worst is None else worst.id
+        old = None if row is None else row.worst_checkpoint_id
+        if old is not None and old != values["worst_checkpoint_id"]:
+            # a new worst step: the previous one's checkpoint is free unless another pins it
+            store.unpin_unless_referenced(session, old, row.id)
     if row is None:
         first = _pin(session, store, episode.first_step)
         row = Incident(

@@ -296,6 +296,19 @@ class Store:
         """The episodes still open in this run directory, oldest first."""
         return [i for i in self.incidents(session) if i.status == "open"]
 
+    def unpin_unless_referenced(
+        self, session: Session, checkpoint_id: int, incident_id: int
+    ) -> None:
+        """Unpin a checkpoint that no incident but `incident_id` (now past it) refers to."""
+        refers = (Incident.checkpoint_id == checkpoint_id) | (
+            Incident.worst_checkpoint_id == checkpoint_id
+        )
+        others = select(Incident.id).where(refers, Incident.id != incident_id).limit(1)
+        row = session.get(Checkpoint, checkpoint_id)
+        own = session.get(Incident, incident_id)
+        if row is not None and session.scalar(others) is None and own.checkpoint_id != row.id:
+            row.pinned = False
+
     def last_recorded_step(self, session: Session) -> int:
         """The highest step recorded in this run directory; -1 when none is."""
         query = select(func.max(Step.step)).where(Step.run_id.in_(self.run_ids(session)))

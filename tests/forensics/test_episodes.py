@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpod.forensics import FlightRecorder, ForensicsConfig, list_incidents
+from grpod.forensics import FlightRecorder, ForensicsConfig, Store, list_incidents
 from grpod.forensics.episodes import EpisodeTracker
 from tests.forensics.test_store import PASS, record_steps, tiny_batch, tiny_report
 
@@ -63,3 +63,23 @@ def test_an_episode_a_crash_left_open_continues_after_the_resume(tmp_path: Path)
     second.close()
     (row,) = list_incidents(tmp_path)
     assert (row["step"], row["last_step"], row["steps"], row["status"]) == (0, 7, 8, "closed")
+
+
+def test_a_moving_worst_step_keeps_only_its_latest_checkpoint_pinned(tmp_path: Path) -> None:
+    """Entropy falling step after step: each step is the worst so far, and only the first
+    step's checkpoint and the latest worst step's stay pinned, not every one in between."""
+    recorder = FlightRecorder(tmp_path, ForensicsConfig())
+    recorder.start_run("r1", {"engine": {}}, {}, "cpu")
+    for step in range(36):
+        if step % 10 == 0:
+            recorder.note_checkpoint(step, tmp_path / "checkpoints" / f"step-{step:08d}")
+        verdict = warn("entropy", "drop", severity=step / 100) if step else PASS
+        recorder.record(tiny_batch(step), tiny_report(step), verdict, "applied")
+    recorder.close()
+    store = Store(tmp_path, create=False)
+    with store.session() as session:
+        pinned = [c.step for c in store.checkpoints(session) if c.pinned]
+    store.close()
+    assert pinned == [0, 30]
+    (row,) = list_incidents(tmp_path)
+    assert (row["step"], row["worst_step"], row["steps"]) == (1, 35, 35)
