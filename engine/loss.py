@@ -31,9 +31,10 @@ def _head(
         if not entropy:
             return picked - lse, None
         with torch.no_grad():
-            z, norm = logits.detach(), lse.detach()
-            # H = logsumexp(z) - sum(softmax(z) * z)
-            ent = norm - (torch.exp(z - norm[:, None]) * z).sum(-1)
+            # H = -sum(p log p) over log p = z - logsumexp(z): no cancellation of two large
+            # terms when the policy is nearly deterministic (the collapse it is there to see)
+            log_p = logits.detach() - lse.detach()[:, None]
+            ent = -(torch.exp(log_p) * log_p).sum(-1)
         return picked - lse, ent
 
 

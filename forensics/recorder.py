@@ -152,7 +152,8 @@ class FlightRecorder:
             else:
                 run.ended_at = None
             episodes = [Episode.from_row(row) for row in self.store.open_incidents(session)]
-            self.episodes.restore(episodes, self.store.last_recorded_step(session))
+        last = self.store.last_recorded_step()
+        self.episodes.restore(episodes, -1 if last is None else last)
         self.open_incidents = len(episodes)
         self.run_id = run_id
 

@@ -309,12 +309,6 @@ class Store:
         if row is not None and session.scalar(others) is None and own.checkpoint_id != row.id:
             row.pinned = False
 
-    def last_recorded_step(self, session: Session) -> int:
-        """The highest step recorded in this run directory; -1 when none is."""
-        query = select(func.max(Step.step)).where(Step.run_id.in_(self.run_ids(session)))
-        found = session.scalar(query)
-        return -1 if found is None else int(found)
-
     def checkpoints(self, session: Session, *, include_deleted: bool = False) -> list[Checkpoint]:
         query = select(Checkpoint).where(Checkpoint.run_id.in_(self.run_ids(session)))
         if not include_deleted:
