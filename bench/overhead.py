@@ -20,7 +20,6 @@ Prints one JSON line (also appended to bench/out/results.jsonl); goal: ratio >= 
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/overhead.py` from the repo root
     sys.path.insert(0, str(ROOT))
 
-from common import emit  # noqa: E402
+from common import bootstrap_ci95, emit  # noqa: E402
 
 from grpod.daemon import logs  # noqa: E402
 from grpod.daemon.config import DaemonConfig, GrpodConfig  # noqa: E402
@@ -67,13 +66,9 @@ def monitored_block(daemon: Daemon, steps: int) -> tuple[float, float, float]:
     return ended - started, stepped - started + drain_cpu, time.process_time() - cpu
 
 
-def median_ci95(values: list[float], resamples: int = 2000) -> tuple[float, float]:
+def median_ci95(values: list[float]) -> tuple[float, float]:
     """Percentile-bootstrap 95% interval of the median of `values` (fixed seed)."""
-    rng = random.Random(0)
-    medians = sorted(
-        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
-    )
-    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+    return bootstrap_ci95(values, statistics.median)
 
 
 def main() -> int:

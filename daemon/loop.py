@@ -219,6 +219,8 @@ class Daemon:
             self.recorder.blocked_total,
             self.recorder.incidents_total,
             self.recorder.uncommitted_steps,
+            incident_steps_total=self.recorder.incident_steps_total,
+            incidents_open=self.recorder.open_incidents,
         )
         self.last_verdict = _verdict_text(verdict)
         self.last_step = report.step
@@ -319,6 +321,8 @@ class Daemon:
             self.recorder.blocked_total,
             self.recorder.incidents_total,
             self.recorder.uncommitted_steps,  # 0 unless the close failed
+            incident_steps_total=self.recorder.incident_steps_total,
+            incidents_open=self.recorder.open_incidents,
         )
         self._publish_status(state, reason=reason, exit_code=code)
         extra: dict[str, Any] = {}

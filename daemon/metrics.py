@@ -27,6 +27,10 @@ REPORT_GAUGES = {
     "reward_mean": ("reward_mean", "Mean reward of the step's completions"),
     "reward_std": ("reward_std", "Population std of the step's rewards"),
     "kl": ("kl", "Mean per-token KL to the reference (NaN when off)"),
+    "policy_entropy_nats": (
+        "entropy",
+        "Mean per-token entropy of the policy on completion tokens (FP32 head)",
+    ),
     "valid_tokens": ("valid_tokens", "The engine's step-accumulated valid-token count"),
     "expected_valid_tokens": ("expected_valid_tokens", "Host-side sum of the loss mask"),
     "grad_norm": ("grad_norm", "Global gradient norm before clipping"),
@@ -82,8 +86,16 @@ class Metrics:
             "grpod_findings_total", "Guard findings", ["guard", "action"], registry=registry
         )
         self.incidents_total = Counter(
-            "grpod_incidents_total", "Incidents captured by the flight recorder", registry=registry
+            "grpod_incidents_total",
+            "Incidents opened by the flight recorder (one per episode of a finding)",
+            registry=registry,
         )
+        self.incident_steps_total = Counter(
+            "grpod_incident_steps_total",
+            "Recorded steps with the finding of an incident's episode",
+            registry=registry,
+        )
+        self.incidents_open = gauge("incidents_open", "Incidents whose episode is still open")
         self.phase_seconds = Histogram(
             "grpod_phase_duration_seconds",
             "Duration of each phase of a step",
@@ -136,7 +148,7 @@ class Metrics:
                 versions.get("transformers", ""),
             ).set(1)
         self.halted.set(0)
-        self._seen = {"incidents": 0, "blocked": 0}
+        self._seen = {"incidents": 0, "incident_steps": 0, "blocked": 0}
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def observe_step(
@@ -192,12 +204,17 @@ class Metrics:
         blocked_total: int,
         incidents_total: int,
         uncommitted_steps: int = 0,
+        *,
+        incident_steps_total: int = 0,
+        incidents_open: int = 0,
     ) -> None:
         """Mirror the flight recorder's gauges and running totals (totals only go up)."""
         self.recorder_queue_depth.set(queue_depth)
         self.recorder_uncommitted_steps.set(uncommitted_steps)
+        self.incidents_open.set(incidents_open)
         for key, total, counter in (
             ("incidents", incidents_total, self.incidents_total),
+            ("incident_steps", incident_steps_total, self.incident_steps_total),
             ("blocked", blocked_total, self.recorder_blocked_total),
         ):
             if total > self._seen[key]:

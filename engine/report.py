@@ -61,6 +61,8 @@ class StepReport:
     chunk_trace: list[ChunkTrace] = field(default_factory=list)
     skipped_compute: bool = False
     kv_cache: KVCacheReport | None = None  # None: the dense rollout cache
+    # mean policy entropy (nats) per trainable token, from the FP32 head; None when not computed
+    entropy: float | None = None
 
     SCALARS = (
         "valid_tokens",
@@ -74,6 +76,7 @@ class StepReport:
         "zero_std_group_fraction",
         "advantage_abs_max",
         "kl",
+        "entropy",
         "clip_fraction_low",
         "clip_fraction_high",
         "mismatch_mean",

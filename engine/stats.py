@@ -21,6 +21,8 @@ class StepStats:
         self.sampler_lp: list[torch.Tensor] = []
         self.clipped_low = self.clipped_high = self.tokens = 0
         self.kl_sum: torch.Tensor | None = None
+        self.entropy_sum: torch.Tensor | None = None  # policy entropy over trainable tokens
+        self.entropy_tokens = 0
 
     def add_chunk(self, micro, chunk, tokens, loss, counter, token_loss) -> None:
         self.trace.append((micro, chunk, tokens, loss.detach(), counter._count))
@@ -31,8 +33,17 @@ class StepStats:
             kl = token_loss.kl.detach().sum()
             self.kl_sum = kl if self.kl_sum is None else self.kl_sum + kl
 
-    def add_logprobs(self, trainer: torch.Tensor, sampler: torch.Tensor | None) -> None:
+    def add_logprobs(
+        self,
+        trainer: torch.Tensor,
+        sampler: torch.Tensor | None,
+        entropy: torch.Tensor | None = None,
+    ) -> None:
         self.trainer_lp.append(trainer)
+        if entropy is not None and entropy.numel():
+            part = entropy.double().sum()
+            self.entropy_sum = part if self.entropy_sum is None else self.entropy_sum + part
+            self.entropy_tokens += entropy.numel()
         if sampler is not None:
             self.sampler_lp.append(sampler)
 
@@ -73,6 +84,9 @@ class StepStats:
             if batch.advantages.numel()
             else 0.0,
             kl=None if self.kl_sum is None else float(self.kl_sum) / tokens,
+            entropy=None
+            if self.entropy_sum is None
+            else float(self.entropy_sum) / self.entropy_tokens,
             clip_fraction_low=float(self.clipped_low) / tokens,
             clip_fraction_high=float(self.clipped_high) / tokens,
             completion_length_mean=float(lengths.mean()) if lengths.numel() else 0.0,

@@ -25,7 +25,7 @@ from grpod.engine.faults import Faults
 from grpod.engine.flat import flatten_parameters
 from grpod.engine.fused import unsupported as decoder_unsupported
 from grpod.engine.layout import micro_layout, run_trunk, trunk_passes
-from grpod.engine.loss import LossSettings, policy_token_loss, token_logprobs
+from grpod.engine.loss import LossSettings, policy_token_loss, token_logprobs_entropy
 from grpod.engine.model import load_policy, resolve_device
 from grpod.engine.packing import Sample, pack
 from grpod.engine.report import StepReport
@@ -321,7 +321,7 @@ class Engine:
             self.counter.start_chunk()
             chunk_tokens = self.counter.add(mask[bounds[c] : bounds[c + 1]])
             index = token_index[cuts[c] : cuts[c + 1]]
-            logprobs = self._logprobs(hidden, source, head, targets, index)
+            logprobs, entropy = self._logprobs(hidden, source, head, targets, index, entropy=True)
             old = logprobs.detach()
             if batch.old_logprobs is not None:
                 old = self._gather(batch.old_logprobs, micro, index)
@@ -339,7 +339,7 @@ class Engine:
             chunk_loss = token_loss.loss.sum()
             micro_loss = micro_loss + chunk_loss
             stats.add_chunk(micro, c, chunk_tokens, chunk_loss, self.counter, token_loss)
-            stats.add_logprobs(old, sampler if first_epoch else None)
+            stats.add_logprobs(old, sampler if first_epoch else None, entropy)
         return micro_loss
 
     def _logprobs(
@@ -349,16 +349,20 @@ class Engine:
         head: torch.Tensor,
         targets: torch.Tensor,
         index: torch.Tensor,
-    ) -> torch.Tensor:
+        *,
+        entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """FP32 logprobs `[len(index)]` of a micro's tokens at flat positions `index` (host),
-        from trunk states `hidden[source[p]]` and the head weight; `targets: [rows * seq]`."""
+        from trunk states `hidden[source[p]]` and the head weight; `targets: [rows * seq]`;
+        and (`entropy`) the policy's detached per-token entropy from the same logits."""
         on_device = index.to(self.device)
-        return token_logprobs(
+        return token_logprobs_entropy(
             hidden[source[on_device - 1]],  # token p is scored by the logits at p-1
             head,
             targets[on_device],
             chunks=self.config.lmhead_chunks,
             temperature=self.config.temperature,
+            entropy=entropy,
         )
 
     def _gather(self, tensor: torch.Tensor, micro: int, index: torch.Tensor) -> torch.Tensor:
@@ -385,7 +389,7 @@ class Engine:
             hidden, source = self._trunk(model, batch, micro)
             targets = batch.input_ids[micro].reshape(-1).to(self.device)
             index = batch.loss_mask[micro].reshape(-1).nonzero().squeeze(-1)
-            logprobs = self._logprobs(hidden, source, head, targets, index)
+            logprobs, _ = self._logprobs(hidden, source, head, targets, index)
             out[micro].view(-1)[index] = logprobs.cpu()
         return out
 

@@ -40,25 +40,36 @@ class Outcome(str, Enum):
 
 @dataclass
 class Finding:
-    """One guard's observation about one step, with the numbers behind it."""
+    """One guard's observation about one step, with the numbers behind it.
+
+    `kind` tells a guard's conditions apart ("" when it has one): the flight recorder keeps
+    one incident per (guard, kind) episode of consecutive steps. `evidence["severity"]`, when
+    a guard gives one, orders an episode's steps (its worst step's batch is pinned).
+    """
 
     guard: str
     action: Action
     message: str
     evidence: dict[str, float] = field(default_factory=dict)
+    kind: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """`{"guard", "action", "message", "evidence"}`, and `"kind"` when it has one."""
+        data = {
             "guard": self.guard,
             "action": self.action.name,
             "message": self.message,
             "evidence": {k: to_json(float(v)) for k, v in self.evidence.items()},
         }
+        if self.kind:
+            data["kind"] = self.kind
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Finding:
         evidence = {k: float(v) for k, v in data.get("evidence", {}).items()}
-        return cls(data["guard"], Action[data["action"]], data["message"], evidence)
+        kind = str(data.get("kind", ""))
+        return cls(data["guard"], Action[data["action"]], data["message"], evidence, kind)
 
 
 @dataclass

@@ -20,7 +20,15 @@ class ForensicsConfig(BaseModel):
         "", description="SQLAlchemy URL; '' = SQLite file <run_dir>/grpod.sqlite"
     )
     incident_action: ActionName = Field(
-        "WARN", description="a verdict at or above this action opens an incident"
+        "WARN",
+        description="a finding at or above this action opens an incident: one per episode of "
+        "a guard's finding over consecutive steps, pinning its first and worst step",
+    )
+    episode_gap_steps: int = Field(
+        16,
+        ge=0,
+        description="an episode closes after this many steps in a row without its finding "
+        "(0 = at the first step without it)",
     )
     queue_size: int = Field(8, ge=1, description="steps the recorder may hold before record blocks")
     commit_every_steps: int = Field(

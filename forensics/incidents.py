@@ -16,7 +16,8 @@ from grpod.forensics.store import Store
 
 
 def list_incidents(run_dir: str | os.PathLike, store_url: str = "") -> list[dict[str, Any]]:
-    """One summary dict per incident of the run directory, oldest first."""
+    """One summary dict per incident (an episode: first..last step, steps with the finding,
+    the worst step, open or closed) of the run directory, oldest first."""
     store = Store(run_dir, store_url, create=False)
     try:
         store.check_schema()
@@ -88,6 +89,7 @@ def _summary(session: Any, incident: Incident) -> dict[str, Any]:
         None if incident.checkpoint_id is None else session.get(Checkpoint, incident.checkpoint_id)
     )
     findings = json.loads(incident.findings_json)
+    last = incident.step if incident.last_step is None else incident.last_step
     return {
         "id": incident.id,
         "run_id": incident.run_id,
@@ -98,4 +100,13 @@ def _summary(session: Any, incident: Incident) -> dict[str, Any]:
         "guards": sorted({f.get("guard", "?") for f in findings}),
         "checkpoint_step": None if checkpoint is None else checkpoint.step,
         "created_at": incident.created_at.isoformat(),
+        # the episode (schema 0003; an older store's incident is one closed step)
+        "guard": incident.guard,
+        "kind": incident.kind or "",
+        "last_step": last,
+        "span_steps": last - incident.step + 1,
+        "steps": incident.steps_count,
+        "worst_step": incident.step if incident.worst_step is None else incident.worst_step,
+        "status": incident.status,
+        "closed_at": None if incident.closed_at is None else incident.closed_at.isoformat(),
     }

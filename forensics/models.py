@@ -81,6 +81,7 @@ class Step(Base):
     zero_std_group_fraction: Mapped[float | None] = mapped_column(Float)
     advantage_abs_max: Mapped[float | None] = mapped_column(Float)
     kl: Mapped[float | None] = mapped_column(Float)
+    entropy: Mapped[float | None] = mapped_column(Float)  # policy entropy, nats (0003)
     clip_fraction_low: Mapped[float | None] = mapped_column(Float)
     clip_fraction_high: Mapped[float | None] = mapped_column(Float)
     mismatch_mean: Mapped[float | None] = mapped_column(Float)
@@ -110,16 +111,32 @@ class Checkpoint(Base):
 
 
 class Incident(Base):
-    """A verdict at or above the incident action: it pins [checkpoint step, step] for ever."""
+    """An episode: one guard's finding of one kind over consecutive steps (schema 0003).
+
+    It opens at the first step with the finding at or above the incident action, grows
+    (`last_step`, `steps_count`, the worst step so far) while the finding persists, and
+    closes after `[forensics] episode_gap_steps` steps without it. It pins its first and its
+    worst step, each with the checkpoint before it and the batches in between. Incidents of
+    stores before 0003 were one per step: `guard` NULL, a closed episode of one step.
+    """
 
     __tablename__ = "incidents"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)  # the first step
     step_id: Mapped[int] = mapped_column(ForeignKey("steps.id"))
-    action: Mapped[str] = mapped_column(String(8))
-    verdict_json: Mapped[str] = mapped_column(Text)
-    findings_json: Mapped[str] = mapped_column(Text)
+    action: Mapped[str] = mapped_column(String(8))  # the highest action of the episode
+    verdict_json: Mapped[str] = mapped_column(Text)  # the first step's verdict
+    findings_json: Mapped[str] = mapped_column(Text)  # the first (and the worst) finding
     checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    guard: Mapped[str | None] = mapped_column(String(64))
+    kind: Mapped[str | None] = mapped_column(String(64))
+    last_step: Mapped[int | None] = mapped_column(Integer)
+    steps_count: Mapped[int] = mapped_column(Integer, server_default="1")  # steps with it
+    worst_step: Mapped[int | None] = mapped_column(Integer)
+    worst_step_id: Mapped[int | None] = mapped_column(Integer)  # steps.id
+    worst_checkpoint_id: Mapped[int | None] = mapped_column(Integer)  # checkpoints.id, pinned
+    status: Mapped[str] = mapped_column(String(8), server_default="closed")  # open | closed
+    closed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -3,11 +3,11 @@
 `prune(store, budget)` is both `grpod gc` and the daemon's own retention after every
 checkpoint. Kept: the newest `keep_checkpoints` checkpoints (0 = all) and every checkpoint an
 incident pins; the batches from the oldest kept unpinned checkpoint on, and for ever those an
-incident pins ([its checkpoint's step, its step]). While blobs, checkpoints and the store's
-own file exceed the budget the oldest unpinned checkpoint goes too (never the newest), which
-moves the retention start forward. Rows are deleted and committed before their files, so a
-row never names a missing file. Checkpoint files that share an inode (see `link_unchanged`)
-count once.
+incident pins ([its checkpoint's step, its first step], and the same before its worst step).
+While blobs, checkpoints and the store's own file exceed the budget the oldest unpinned
+checkpoint goes too (never the newest), which moves the retention start forward. Rows are
+deleted and committed before their files, so a row never names a missing file. Checkpoint
+files that share an inode (see `link_unchanged`) count once.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def prune(
         pinned_steps: set[int] = set()
         for incident, steps in pins(store, session):
             pinned_steps |= {s.id for s in steps} | {incident.step_id}
+            if incident.worst_step_id is not None:
+                pinned_steps.add(incident.worst_step_id)
         steps = session.execute(  # (id, step, digest) only: reports can be large
             select(Step.id, Step.step, Step.batch_digest).where(Step.run_id.in_(runs))
         ).all()
@@ -152,15 +154,18 @@ def retention_start(retained: list[Checkpoint]) -> int:
 
 
 def pins(store: Store, session: Any) -> list[tuple[Incident, list[Step]]]:
-    """Each incident with the step rows it pins (from its checkpoint's step to its step)."""
+    """Each incident with the step rows it pins: from its checkpoint's step to its first step,
+    and from its worst step's checkpoint to its worst step (an episode's, schema 0003)."""
     out = []
     for incident in store.incidents(session):
-        first = incident.step
-        if incident.checkpoint_id is not None:
-            first = session.get(Checkpoint, incident.checkpoint_id).step
-        out.append(
-            (incident, store.decided_steps(session, first, session.get(Step, incident.step_id)))
-        )
+        ends = [(incident.checkpoint_id, incident.step, incident.step_id)]
+        if incident.worst_step_id is not None and incident.worst_step_id != incident.step_id:
+            ends.append((incident.worst_checkpoint_id, incident.worst_step, incident.worst_step_id))
+        steps: list[Step] = []
+        for checkpoint_id, step, step_id in ends:
+            first = step if checkpoint_id is None else session.get(Checkpoint, checkpoint_id).step
+            steps += store.decided_steps(session, first, session.get(Step, step_id))
+        out.append((incident, steps))
     return out
 
 

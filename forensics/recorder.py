@@ -8,11 +8,10 @@ stages them early. At the commit each batch blob is serialised: one of at most
 `inline_blob_bytes` into memory, for its row; a larger one into a temp file, and every such
 file is fsynced and renamed into place, the directory fsynced once. Then one transaction adds
 the blob rows (with the inline bytes) and the step rows: a group of small batches costs one
-fsync of the store, not one per batch. A step whose verdict is at or above
-`incident_action` commits its group at once, with its incident pinning the checkpoint before
-it; so do a noted checkpoint (the steps before it first), `drain()` and `close()`. A crash
-loses at most the uncommitted steps, all after the last noted checkpoint, which a resumed
-run re-runs.
+fsync of the store, not one per batch. A step that opens an incident (an episode of a
+finding, forensics/episodes.py) commits its group at once; so do a noted checkpoint (the
+steps before it first), `drain()` and `close()`. A crash loses at most the uncommitted
+steps, all after the last noted checkpoint, which a resumed run re-runs.
 """
 
 from __future__ import annotations
@@ -35,8 +34,9 @@ from grpod.engine import StepReport, TransportBatch
 from grpod.engine.verdict import ACTION_NAMES, Outcome
 from grpod.forensics.blobs import BlobStore, StagedBlob
 from grpod.forensics.config import ForensicsConfig, action_rank
+from grpod.forensics.episodes import Episode, EpisodeTracker, Observation, write_episode
 from grpod.forensics.errors import ForensicsError
-from grpod.forensics.models import Blob, Checkpoint, Incident, Run, Step
+from grpod.forensics.models import Blob, Checkpoint, Run, Step
 from grpod.forensics.store import Store
 from grpod.jsonsafe import from_json
 
@@ -55,6 +55,7 @@ class _StepItem:
     verdict: dict[str, Any]
     outcome: str
     rerun: bool
+    seen: Observation | None = None  # what the step did to the episodes (writer thread)
 
 
 @dataclass
@@ -69,7 +70,7 @@ class _Staged:
 
     blob: StagedBlob
     row: dict[str, Any]  # the steps row
-    verdict: dict[str, Any] | None  # set when the step opens an incident
+    seen: Observation | None  # the episodes the step opened, extended or closed
 
 
 _STOP = object()
@@ -97,11 +98,13 @@ class FlightRecorder:
         else:
             self.store.check_schema()
         self.blobs = BlobStore(self.run_dir)
-        self.incident_rank = action_rank(self.config.incident_action)
+        self.episodes = EpisodeTracker(self.config.incident_action, self.config.episode_gap_steps)
         self.run_id: str | None = None
         self.blocked_total = 0  # record() calls that found the queue full and waited
         self.recorded_total = 0  # steps committed by the writer
-        self.incidents_total = 0  # incidents opened by the writer
+        self.incidents_total = 0  # incidents (episodes) opened by the writer
+        self.incident_steps_total = 0  # committed steps with at least one episode's finding
+        self.open_incidents = 0  # episodes open after the last commit
         self.write_seconds_total = 0.0  # the writer's busy time (blob files and rows)
         self.write_cpu_seconds_total = 0.0  # the writer thread's CPU time in that work
         self.commits_total = 0  # transactions that committed steps
@@ -148,6 +151,10 @@ class FlightRecorder:
                 )
             else:
                 run.ended_at = None
+            episodes = [Episode.from_row(row) for row in self.store.open_incidents(session)]
+        last = self.store.last_recorded_step()
+        self.episodes.restore(episodes, -1 if last is None else last)
+        self.open_incidents = len(episodes)
         self.run_id = run_id
 
     def record(
@@ -224,6 +231,7 @@ class FlightRecorder:
             try:
                 if item is _STOP:
                     self._work(self._commit)
+                    self._work(self._close_episodes)
                     return
                 self._work(self._write, item)
             finally:
@@ -242,6 +250,15 @@ class FlightRecorder:
         finally:
             self.write_seconds_total += time.perf_counter() - started
             self.write_cpu_seconds_total += time.thread_time() - cpu
+
+    def _close_episodes(self) -> None:
+        """The run stops: its open episodes end with it (a resumed run opens new ones)."""
+        episodes = self.episodes.close_all()
+        if episodes and self.run_id is not None:
+            with self.store.session() as session:
+                for episode in episodes:
+                    write_episode(session, self.store, self.run_id, episode)
+        self.open_incidents = 0
 
     def _write(self, item: Any) -> None:
         if item is _COMMIT:
@@ -268,14 +285,14 @@ class FlightRecorder:
         or HOLD_BYTES are held (then they are staged into temp files, out of memory)."""
         if not self._group:
             self._group_deadline = time.monotonic() + self.config.commit_interval_seconds
+        item.seen = self.episodes.observe(item.report["step"], item.verdict["findings"])
         self._held += 1
         self._held_bytes += sum(t.nbytes for t in item.batch.tensors().values())
         if self._held >= self.config.queue_size or self._held_bytes > HOLD_BYTES:
             self._stage_held(item)  # memory: at most queue_size batches queued and as many held
         else:
             self._group.append(item)
-        opened = action_rank(item.verdict["action"]) >= self.incident_rank
-        if opened or len(self._group) >= self.config.commit_every_steps:
+        if item.seen.opened or len(self._group) >= self.config.commit_every_steps:
             self._commit()  # an incident is durable as soon as the writer reaches it
 
     def _stage_held(self, *new: _StepItem) -> None:
@@ -307,8 +324,7 @@ class FlightRecorder:
             recorded_at=_now(),
             **scalars,
         )
-        opened = action_rank(item.verdict["action"]) >= self.incident_rank
-        return _Staged(blob, row, item.verdict if opened else None)
+        return _Staged(blob, row, item.seen)
 
     def _commit(self) -> None:
         """Publish the group's blobs (fsync, rename, one directory fsync), then commit its
@@ -339,8 +355,14 @@ class FlightRecorder:
             if missing:
                 conn.execute(_BLOB_INSERT, missing)
             plain: list[dict[str, Any]] = []  # rows that need no id: one executemany
+            touched: dict[int, Episode] = {}  # by id(): each episode written once per group
+            affected = 0
             for staged in group:
-                if staged.verdict is None:
+                seen = staged.seen
+                if seen is not None:
+                    touched.update((id(e), e) for e in seen.touched)
+                    affected += seen.affected
+                if seen is None or not seen.needs_step_id:
                     plain.append(staged.row)
                     continue
                 if plain:
@@ -348,32 +370,23 @@ class FlightRecorder:
                     plain = []
                 # bound parameters: the compiled INSERT is cached, not rebuilt from 40 literals
                 step_id = conn.execute(_STEP_INSERT, staged.row).inserted_primary_key[0]
-                self._open_incident(session, staged.row["step"], step_id, staged.verdict)
-                opened += 1
+                for episode in seen.opened:
+                    episode.first_step_id = episode.worst_step_id = step_id
+                    episode.verdict_json = staged.row["verdict_json"]
+                for episode in seen.worse:
+                    episode.worst_step_id = step_id
             if plain:
                 conn.execute(_STEP_INSERT, plain)
+            for episode in touched.values():
+                opened += episode.incident_id is None
+                write_episode(session, self.store, self.run_id, episode)
         self._group = []
         self._inline_bytes = 0
         self.commits_total += 1
         self.recorded_total += len(group)
         self.incidents_total += opened
-
-    def _open_incident(self, session, step: int, step_id: int, verdict: dict[str, Any]) -> None:
-        checkpoint = self.store.checkpoint_at_or_before(session, step)
-        if checkpoint is not None:
-            checkpoint.pinned = True
-        session.add(
-            Incident(
-                run_id=self.run_id,
-                step=step,
-                step_id=step_id,
-                action=verdict["action"],
-                verdict_json=json.dumps(verdict, sort_keys=True),
-                findings_json=json.dumps(verdict.get("findings", []), sort_keys=True),
-                checkpoint_id=None if checkpoint is None else checkpoint.id,
-                created_at=_now(),
-            )
-        )
+        self.incident_steps_total += affected
+        self.open_incidents = len(self.episodes.open)
 
 
 def _verdict_dict(verdict: dict[str, Any] | Any) -> dict[str, Any]:

@@ -46,13 +46,16 @@ class StepPoint:
     reward_mean: float | None
     reward_std: float | None
     grad_norm: float | None
+    entropy: float | None = None  # nats (schema 0003)
 
 
 @dataclass(frozen=True)
 class IncidentMark:
     id: int
-    step: int
+    step: int  # the episode's first step
     action: str  # WARN | FLUSH | HALT
+    guard: str = ""  # "" before schema 0003
+    last_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -289,6 +292,23 @@ class Store:
             session.scalars(select(Incident).where(Incident.run_id.in_(runs)).order_by(Incident.id))
         )
 
+    def open_incidents(self, session: Session) -> list[Incident]:
+        """The episodes still open in this run directory, oldest first."""
+        return [i for i in self.incidents(session) if i.status == "open"]
+
+    def unpin_unless_referenced(
+        self, session: Session, checkpoint_id: int, incident_id: int
+    ) -> None:
+        """Unpin a checkpoint that no incident but `incident_id` (now past it) refers to."""
+        refers = (Incident.checkpoint_id == checkpoint_id) | (
+            Incident.worst_checkpoint_id == checkpoint_id
+        )
+        others = select(Incident.id).where(refers, Incident.id != incident_id).limit(1)
+        row = session.get(Checkpoint, checkpoint_id)
+        own = session.get(Incident, incident_id)
+        if row is not None and session.scalar(others) is None and own.checkpoint_id != row.id:
+            row.pinned = False
+
     def checkpoints(self, session: Session, *, include_deleted: bool = False) -> list[Checkpoint]:
         query = select(Checkpoint).where(Checkpoint.run_id.in_(self.run_ids(session)))
         if not include_deleted:
@@ -350,6 +370,7 @@ class Store:
                     Step.reward_mean,
                     Step.reward_std,
                     Step.grad_norm,
+                    Step.entropy,
                 )
                 .where(Step.run_id.in_(self.run_ids(session)))
                 .order_by(Step.step, Step.id)
@@ -360,7 +381,10 @@ class Store:
     def incident_marks(self) -> list[IncidentMark]:
         """Every incident of the run directory, oldest first."""
         with self.session() as session:
-            return [IncidentMark(i.id, i.step, i.action) for i in self.incidents(session)]
+            return [
+                IncidentMark(i.id, i.step, i.action, i.guard or "", i.last_step)
+                for i in self.incidents(session)
+            ]
 
     def summary(self) -> RunSummary:
         """What `grpod status` reports from the store."""

@@ -23,6 +23,7 @@ class AdvantageGuard(Guard):
                 self.finding(
                     f"{fraction:.0%} of groups have equal rewards "
                     f"(> {self.config.zero_std_fraction_max:.0%})",
+                    kind="zero_std_groups",
                     zero_std_group_fraction=fraction,
                     threshold=self.config.zero_std_fraction_max,
                 )
@@ -35,6 +36,7 @@ class AdvantageGuard(Guard):
                 self.finding(
                     "every advantage of the batch is 0: no learning signal",
                     Action[self.config.all_zero_action],
+                    kind="all_zero",
                     trainable_tokens=float(trainable),
                 )
             )

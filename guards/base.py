@@ -8,6 +8,7 @@ A guard is built from its config section, holds its own bounded history, and has
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -41,8 +42,13 @@ class Guard:
     def action(self) -> Action:
         return Action[self.config.action]
 
-    def finding(self, message: str, action: Action | None = None, **evidence: float) -> Finding:
-        return Finding(self.name, self.action if action is None else action, message, evidence)
+    def finding(
+        self, message: str, action: Action | None = None, kind: str = "", **evidence: float
+    ) -> Finding:
+        """A finding of this guard (its configured action unless `action`); `kind` names
+        which of its conditions it is when it has several (one incident per episode of each)."""
+        action = self.action if action is None else action
+        return Finding(self.name, action, message, evidence, kind)
 
     def before(self, batch: TransportBatch) -> tuple[TransportBatch | None, list[Finding]]:
         return batch, []
@@ -82,6 +88,75 @@ class Window:
         mean = math.fsum(self.values) / n
         var = math.fsum((v - mean) ** 2 for v in self.values) / n
         return mean, math.sqrt(var)
+
+    def median_mad(self) -> tuple[float, float]:
+        """Median and median absolute deviation from it; (nan, nan) when empty."""
+        if not self.values:
+            return math.nan, math.nan
+        median = statistics.median(self.values)
+        return median, statistics.median(abs(v - median) for v in self.values)
+
+
+class RollingBest:
+    """A rolling mean over the last `size` values and the best (highest) it has been since it
+    first filled: `drop()` is how far the current mean has fallen from that best, as a
+    fraction of it (0 while it holds, None until the window is full or when the best is <= 0)."""
+
+    def __init__(self, size: int) -> None:
+        self.window = Window(size)
+        self.best: float | None = None
+
+    def resize(self, size: int) -> None:
+        self.window.resize(size)
+
+    def append(self, value: float) -> None:
+        self.window.append(value)
+        if len(self.window) == self.window.values.maxlen:
+            mean = self.mean
+            self.best = mean if self.best is None else max(self.best, mean)
+
+    @property
+    def full(self) -> bool:
+        return len(self.window) == self.window.values.maxlen
+
+    @property
+    def mean(self) -> float:
+        return self.window.mean_std()[0]
+
+    def drop(self) -> float | None:
+        if not self.full or self.best is None or self.best <= 0.0:
+            return None
+        return max(0.0, (self.best - self.mean) / self.best)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"values": list(self.window.values), "best": self.best}
+
+    def load_state_dict(self, state: dict[str, Any], guard: str) -> None:
+        self.window = Window(self.window.values.maxlen or 1, load_floats(state, "values", guard))
+        best = state.get("best")
+        if best is not None and (not isinstance(best, (int, float)) or isinstance(best, bool)):
+            raise GuardsError(f"guard {guard}: saved 'best' is not a number")
+        self.best = None if best is None else float(best)
+
+
+class TrendGuard(Guard):
+    """A guard over one `RollingBest` of `config.window` steps, saved with its checkpoint."""
+
+    def __init__(self, config: BaseModel) -> None:
+        self.trend = RollingBest(config.window)
+        super().__init__(config)
+
+    def configure(self, config: BaseModel) -> None:
+        super().configure(config)
+        self.trend.resize(config.window)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trend.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict):
+            raise GuardsError(f"guard {self.name}: saved state is not a mapping")
+        self.trend.load_state_dict(state, self.name)
 
 
 def is_finite(value: float | None) -> bool:

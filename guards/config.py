@@ -59,12 +59,23 @@ class ReorderConfig(_Section):
 
 
 class SpikeConfig(_Section):
-    """Rolling z-score of loss, grad norm and KL."""
+    """Rolling z-score of loss, grad norm and KL over a floored spread."""
 
     window: int = Field(128, ge=2)
     min_steps: int = Field(32, ge=2)
     threshold_sigma: float = Field(6.0, gt=0.0)
-    min_std: float = Field(1e-6, ge=0.0, description="std floor so a constant history is usable")
+    spread: Literal["std", "mad"] = Field(
+        "std", description="mean and std, or median and 1.4826 x MAD (robust to outliers)"
+    )
+    min_std: float = Field(
+        1e-2,
+        ge=0.0,
+        description="absolute floor of the spread: a move under threshold_sigma x this from a "
+        "flat window is no spike",
+    )
+    relative_floor: float = Field(
+        0.05, ge=0.0, description="the spread is at least this fraction of |center|"
+    )
     level_shift_after: int = Field(
         8, ge=1, description="after this many consecutive spikes a metric's new level is accepted"
     )
@@ -103,6 +114,38 @@ class ClipConfig(_Section):
     action: ActionName = "WARN"
 
 
+class DeadCampaignConfig(_Section):
+    """A campaign that cannot learn: no reward variance, or no gradient, over many steps."""
+
+    steps: int = Field(
+        200, ge=2, description="the window: this many steps without learning signal halt"
+    )
+    zero_std_fraction_min: float = Field(
+        0.95, ge=0.0, le=1.0, description="the window's mean zero-std group fraction at or above"
+    )
+    grad_norm_max: float = Field(
+        1e-4, ge=0.0, description="or: the window's largest pre-clip grad norm at or below"
+    )
+    action: ActionName = Field("HALT", description="WARN keeps a dead campaign running")
+
+
+class RewardTrendConfig(_Section):
+    """The reward's rolling mean falling from its best."""
+
+    window: int = Field(100, ge=2)
+    max_drop: float = Field(0.25, ge=0.0, le=1.0, description="fraction below the best mean")
+    action: ActionName = "WARN"
+
+
+class EntropyConfig(_Section):
+    """The policy's mean per-token entropy collapsing."""
+
+    window: int = Field(50, ge=1)
+    floor: float = Field(0.05, ge=0.0, description="nats: the window's mean below this warns")
+    max_drop: float = Field(0.9, ge=0.0, le=1.0, description="fraction below the best mean")
+    action: ActionName = "WARN"
+
+
 def as_config(config: GuardsConfig | dict | None) -> GuardsConfig:
     """A GuardsConfig from itself, a dict (e.g. a TOML section) or None (the defaults); a bad
     dict is a GuardsError naming the first bad key and the reason."""
@@ -135,6 +178,9 @@ class GuardsConfig(BaseModel):
     advantage: AdvantageConfig = AdvantageConfig()
     sampler_mismatch: SamplerMismatchConfig = SamplerMismatchConfig()
     clip: ClipConfig = ClipConfig()
+    dead_campaign: DeadCampaignConfig = DeadCampaignConfig()
+    reward_trend: RewardTrendConfig = RewardTrendConfig()
+    entropy: EntropyConfig = EntropyConfig()
 
     @model_validator(mode="after")
     def _check(self) -> GuardsConfig:

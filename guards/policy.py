@@ -2,8 +2,9 @@
 `grpod.engine.step.decide_step` decides a step's update.
 
 Order is fixed: reorder (before), accounting, finite, gradnorm_vtc_correlation, spike,
-advantage, sampler_mismatch, clip. Under torch.distributed every decision (skip, action, the
-weights check) is all-reduced with max, so all ranks apply, flush or skip the same step.
+advantage, sampler_mismatch, clip, dead_campaign, reward_trend, entropy. Under
+torch.distributed every decision (skip, action, the weights check) is all-reduced with max,
+so all ranks apply, flush or skip the same step.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from grpod.guards import distributed
 from grpod.guards.accounting import AccountingGuard
 from grpod.guards.advantage import AdvantageGuard
 from grpod.guards.base import Guard
+from grpod.guards.campaign import DeadCampaignGuard, RewardTrendGuard
 from grpod.guards.clip import ClipGuard
 from grpod.guards.config import GuardsConfig, as_config
 from grpod.guards.correlation import GradNormVTCCorrelationGuard
+from grpod.guards.entropy import EntropyGuard
 from grpod.guards.errors import GuardsError
 from grpod.guards.finite import FiniteGuard
 from grpod.guards.mismatch import SamplerMismatchGuard
@@ -36,6 +39,9 @@ GUARD_CLASSES: tuple[type[Guard], ...] = (
     AdvantageGuard,
     SamplerMismatchGuard,
     ClipGuard,
+    DeadCampaignGuard,
+    RewardTrendGuard,
+    EntropyGuard,
 )
 STATE_FORMAT = "grpod.guards_state/1"
 

@@ -1,4 +1,5 @@
-"""`spike`: a rolling z-score of loss, grad norm and KL against the recent steps."""
+"""`spike`: a rolling z-score of loss, grad norm and KL against the recent steps, over a spread
+with an absolute and a relative floor (a window whose spread is ~0 is not evidence)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,18 @@ from grpod.guards.base import Guard, Window, is_finite, load_floats
 from grpod.guards.errors import GuardsError
 from grpod.guards.verdict import Finding
 
+MAD_TO_STD = 1.4826  # MAD x this estimates a normal distribution's std
+
 
 class SpikeGuard(Guard):
-    """Flag a metric more than `threshold_sigma` population stds from its window mean, once the
-    window holds `min_steps` values. A flagged value stays out of the baseline (one spike must
-    not hide the next) until `level_shift_after` consecutive flags, when the new level is
-    accepted. Non-finite values are the `finite` guard's; None (KL off) is skipped."""
+    """Flag a metric more than `threshold_sigma` spreads from its window's center, once the
+    window holds `min_steps` values. The center and spread are the mean and population std
+    (`spread = "std"`) or the median and 1.4826 x MAD (`"mad"`, robust to the window's own
+    outliers); the spread is at least `min_std` and `relative_floor` x |center|, so a flat
+    window (a collapsed campaign's loss of exactly 0) cannot turn a tiny move into a spike.
+    A flagged value stays out of the baseline (one spike must not hide the next) until
+    `level_shift_after` consecutive flags, when the new level is accepted. Non-finite values
+    are the `finite` guard's; None (KL off) is skipped."""
 
     name = "spike"
     METRICS = ("loss", "grad_norm", "kl")
@@ -29,13 +36,23 @@ class SpikeGuard(Guard):
         for window in self.windows.values():
             window.resize(config.window)
 
-    def zscore(self, metric: str, value: float) -> float | None:
-        """|value - mean| / max(std, min_std) over the metric's window; None before min_steps."""
+    def center_spread(self, metric: str) -> tuple[float, float]:
+        """The window's center and its floored spread (see the class docstring)."""
         window = self.windows[metric]
-        if len(window) < self.config.min_steps:
+        if self.config.spread == "mad":
+            center, spread = window.median_mad()
+            spread *= MAD_TO_STD
+        else:
+            center, spread = window.mean_std()
+        floor = max(self.config.min_std, self.config.relative_floor * abs(center), 1e-300)
+        return center, max(spread, floor)
+
+    def zscore(self, metric: str, value: float) -> float | None:
+        """|value - center| / floored spread over the metric's window; None before min_steps."""
+        if len(self.windows[metric]) < self.config.min_steps:
             return None
-        mean, std = window.mean_std()
-        return abs(value - mean) / max(std, self.config.min_std, 1e-300)
+        center, spread = self.center_spread(metric)
+        return abs(value - center) / spread
 
     def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
         findings = []
@@ -46,15 +63,17 @@ class SpikeGuard(Guard):
             z = self.zscore(metric, value)
             flagged = z is not None and z > self.config.threshold_sigma
             if flagged:
-                mean, std = self.windows[metric].mean_std()
+                center, spread = self.center_spread(metric)
                 findings.append(
                     self.finding(
-                        f"{metric} {value:.4g} is {z:.1f} sigma from its mean {mean:.4g} "
-                        f"(std {std:.3g}, {len(self.windows[metric])} steps)",
+                        f"{metric} {value:.4g} is {z:.1f} spreads from its center {center:.4g} "
+                        f"(spread {spread:.3g}, {len(self.windows[metric])} steps)",
+                        kind=metric,
                         value=value,
                         zscore=z,
-                        mean=mean,
-                        std=std,
+                        severity=z,
+                        center=center,
+                        spread=spread,
                     )
                 )
                 self.consecutive[metric] += 1

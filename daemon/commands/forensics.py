@@ -130,9 +130,12 @@ def _incidents_list(args: argparse.Namespace) -> int:
     if not rows:
         print("no incidents")
     for row in rows:
+        what = row["guard"] or ", ".join(row["guards"]) or "-"
+        what += f" {row['kind']}" if row["kind"] else ""
         print(
-            f"{row['id']:>4}  step {row['step']:<6} {row['action']:<5} {row['outcome']:<8} "
-            f"checkpoint {row['checkpoint_step']!s:<6} {', '.join(row['guards']) or '-'}"
+            f"{row['id']:>4}  steps {row['step']}-{row['last_step']:<6} {row['status']:<6} "
+            f"{row['steps']:>5} affected, worst {row['worst_step']:<6} {row['action']:<5} "
+            f"checkpoint {row['checkpoint_step']!s:<6} {what}"
         )
     return 0
 
@@ -147,6 +150,10 @@ def _incidents_show(args: argparse.Namespace) -> int:
     print(
         f"incident {detail['id']}: step {detail['step']} {detail['action']} "
         f"({detail['outcome']}), run {detail['run_id']}, checkpoint {detail['checkpoint_step']}"
+    )
+    print(
+        f"  episode {detail['status']}: steps {detail['step']}-{detail['last_step']} "
+        f"({detail['steps']} with the finding), worst step {detail['worst_step']}"
     )
     for finding in detail["findings"]:
         print(f"  [{finding.get('action')}] {finding.get('guard')}: {finding.get('message')}")

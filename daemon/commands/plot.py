@@ -10,6 +10,8 @@ and its incidents; writes, into `--out`:
 - `gradnorm.png`: pre-clip grad norm against 1/valid tokens (the reversed-chunk signature),
   titled with the correlation the `gradnorm_vtc_correlation` guard held after the last step
   (its window, minimum and rule of which steps count, from the run's config.toml);
+- `entropy.png`: the policy entropy per step, with the span of each campaign guard's
+  episodes (entropy, reward_trend, dead_campaign, advantage): when each fired and for how long;
 - `overview.png`: the four views on one page.
 
 Rendering uses matplotlib's Agg canvas through `Figure` objects (no pyplot global state).
@@ -54,8 +56,11 @@ class RunSeries:
     reward_mean: list[float] = field(default_factory=list)
     reward_std: list[float] = field(default_factory=list)
     grad_norm: list[float] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)  # nats; NaN when not recorded
     incidents: list[tuple[int, int, str]] = field(default_factory=list)  # (id, step, action)
     correlation: CorrelationConfig | None = None  # the run's guard section (None: defaults)
+    # (guard, first step, last step) of each incident's episode
+    episodes: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 def load_series(run_dir: str | Path, store_url: str = "") -> RunSeries:
@@ -71,12 +76,18 @@ def load_series(run_dir: str | Path, store_url: str = "") -> RunSeries:
     try:
         store.check_schema()
         points = store.step_points()
-        incidents = [(i.id, i.step, i.action) for i in store.incident_marks()]
+        marks = store.incident_marks()
+        incidents = [(i.id, i.step, i.action) for i in marks]
+        episodes = [
+            (i.guard, i.step, i.step if i.last_step is None else i.last_step) for i in marks
+        ]
     finally:
         store.close()
     if not points:
         raise ForensicsError(f"run dir {store.run_dir}: no recorded steps to plot")
-    series = RunSeries(incidents=incidents, correlation=_correlation_config(run_dir))
+    series = RunSeries(
+        incidents=incidents, correlation=_correlation_config(run_dir), episodes=episodes
+    )
     for row in points:
         series.steps.append(row.step)
         series.outcomes.append(row.outcome)
@@ -88,6 +99,7 @@ def load_series(run_dir: str | Path, store_url: str = "") -> RunSeries:
         series.reward_mean.append(_num(row.reward_mean))
         series.reward_std.append(_num(row.reward_std))
         series.grad_norm.append(_num(row.grad_norm) if computed else math.nan)
+        series.entropy.append(_num(row.entropy) if computed else math.nan)
     return series
 
 
@@ -216,6 +228,37 @@ def draw_gradnorm(series: RunSeries, ax: Any) -> None:
         ax.legend(loc="best", fontsize=8)
 
 
+CAMPAIGN_GUARDS = {
+    "entropy": "#9467bd",
+    "reward_trend": "#8c564b",
+    "dead_campaign": "#d62728",
+    "advantage": "#7f7f7f",
+}
+
+
+def draw_entropy(series: RunSeries, ax: Any) -> None:
+    """Policy entropy per step; each campaign guard's episodes as a band on its own level."""
+    ax.plot(series.steps, series.entropy, color="#1f77b4", lw=1.2, label="policy entropy")
+    ax.set_ylabel("entropy (nats)")
+    ax.set_xlabel("step")
+    top = max((e for e in series.entropy if e == e), default=1.0) or 1.0
+    for level, (guard, color) in enumerate(CAMPAIGN_GUARDS.items()):
+        spans = [(a, b) for g, a, b in series.episodes if g == guard]
+        for n, (first, last) in enumerate(spans):
+            ax.axvspan(
+                first - 0.5,
+                last + 0.5,
+                ymin=0.02 + 0.05 * level,
+                ymax=0.06 + 0.05 * level,
+                color=color,
+                alpha=0.8,
+                lw=0,
+                label=f"{guard} episode" if n == 0 else None,
+            )
+    ax.set_ylim(0, top * 1.1)
+    ax.legend(loc="upper right", fontsize=8)
+
+
 def _shade_flushed(series: RunSeries, ax: Any) -> None:
     """A band over each flushed step (its loss may be NaN: a gap in the curve)."""
     flushed = [s for s, o in zip(series.steps, series.outcomes) if o == "flushed"]
@@ -226,7 +269,7 @@ def _shade_flushed(series: RunSeries, ax: Any) -> None:
 
 # ---------------------------------------------------------------------------- files
 def render(series: RunSeries, out_dir: str | Path, title: str = "") -> list[Path]:
-    """Write the five PNG files into `out_dir` (created); returns their paths."""
+    """Write the six PNG files into `out_dir` (created); returns their paths."""
     from matplotlib.figure import Figure
 
     out = Path(out_dir)
@@ -256,6 +299,10 @@ def render(series: RunSeries, out_dir: str | Path, title: str = "") -> list[Path
     fig = Figure(figsize=(6, 5), layout="constrained")
     draw_gradnorm(series, fig.subplots())
     save(fig, "gradnorm.png")
+
+    fig = Figure(figsize=(8, 3.5), layout="constrained")
+    draw_entropy(series, fig.subplots())
+    save(fig, "entropy.png")
 
     fig = Figure(figsize=(12, 8), layout="constrained")
     grid = fig.add_gridspec(3, 2)

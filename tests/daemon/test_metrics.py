@@ -37,6 +37,9 @@ CONTRACT_NAMES = [
     "grpod_gradnorm_vtc_correlation",
     "grpod_findings_total",
     "grpod_incidents_total",
+    "grpod_incident_steps_total",
+    "grpod_incidents_open",
+    "grpod_policy_entropy_nats",
     "grpod_phase_duration_seconds",
     "grpod_completion_tokens_total",
     "grpod_completions_total",
@@ -77,6 +80,7 @@ def report(step: int = 3, **overrides: object) -> StepReport:
         mismatch_frac_above_0_1=0.005,
         completion_length_mean=3.5,
         num_samples=16,
+        entropy=0.42,
     )
     return make_report(step=step, **{**values, **overrides})
 
@@ -89,6 +93,8 @@ def test_every_contract_name_and_the_values() -> None:
     metrics.observe_step(report(), verdict, "applied", phases, 0.83, now=1234.0)
     metrics.observe_recorder(queue_depth=2, blocked_total=1, incidents_total=1, uncommitted_steps=5)
     metrics.observe_recorder(queue_depth=0, blocked_total=1, incidents_total=3, uncommitted_steps=7)
+    metrics.observe_recorder(0, 1, 3, 7, incident_steps_total=40, incidents_open=2)
+    metrics.observe_recorder(0, 1, 3, 7, incident_steps_total=41, incidents_open=1)
     text = generate_latest(registry).decode()
     names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
     assert set(CONTRACT_NAMES) <= names, set(CONTRACT_NAMES) - names
@@ -107,6 +113,8 @@ def test_every_contract_name_and_the_values() -> None:
     assert values["grpod_completions_total"] == 16 and values["grpod_completion_tokens_total"] == 56
     assert values["grpod_incidents_total"] == 3 and values["grpod_recorder_blocked_total"] == 1
     assert values["grpod_recorder_queue_depth"] == 0
+    assert values["grpod_incident_steps_total"] == 41 and values["grpod_incidents_open"] == 1
+    assert values["grpod_policy_entropy_nats"] == 0.42
     assert values["grpod_recorder_uncommitted_steps"] == 7
     assert values["grpod_last_step_timestamp_seconds"] == 1234.0
     assert values['grpod_build_info{torch="2",transformers="5",version="0.1.0"}'] == 1

@@ -26,6 +26,8 @@ REQUIRED_ALERTS = {
     "GrpodZeroValidTokens",
     "GrpodGradNormTracksInverseTokens",
     "GrpodSamplerMismatch",
+    "GrpodIncidentOpen",
+    "GrpodEntropyCollapse",
 }
 
 

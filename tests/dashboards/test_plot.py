@@ -14,7 +14,14 @@ from grpod.guards.correlation import GradNormVTCCorrelationGuard
 from tests.dashboards.conftest import MAX_STEPS, DaemonRun
 from tests.guards.helpers import batch, report
 
-PNGS = ("learning.png", "outcomes.png", "accounting.png", "gradnorm.png", "overview.png")
+PNGS = (
+    "learning.png",
+    "outcomes.png",
+    "accounting.png",
+    "gradnorm.png",
+    "entropy.png",
+    "overview.png",
+)
 
 
 def test_plot_renders_every_view_of_a_real_run(
@@ -46,6 +53,9 @@ def test_plot_reads_every_step_and_the_incident(daemon_run: DaemonRun) -> None:
     assert series.incidents and all(s in series.steps for _, s, _ in series.incidents)
     computed = [(v, e) for v, e in zip(series.valid_tokens, series.expected_valid_tokens) if v == v]
     assert computed and all(v == e for v, e in computed)  # the real counter is right
+    entropy = [e for e, o in zip(series.entropy, series.outcomes) if o != "skipped"]
+    assert entropy and all(0 < e < math.log(15) for e in entropy)  # 15-token vocabulary
+    assert [step for _, step, _ in series.incidents] == [first for _, first, _ in series.episodes]
 
 
 def test_plot_bad_run_dir_is_one_line_exit_2(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpod.engine.loss import _head_logprobs, token_logprobs
+from grpod.engine.loss import _head_logprobs, token_logprobs, token_logprobs_entropy
 
 
 def _inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,3 +63,33 @@ def test_chunked_head_gradient_dtypes_and_frozen_weight() -> None:
     assert frozen.grad is None and h.grad is not None
     with torch.no_grad():  # scoring: the forward alone
         assert torch.equal(token_logprobs(hidden.float(), weight, targets, chunks=3), out.detach())
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_entropy_matches_float64_and_leaves_gradients_alone(chunks: int) -> None:
+    hidden, weight, targets = _inputs()
+    h = hidden.clone().requires_grad_(True)
+    logprobs, entropy = token_logprobs_entropy(h, weight, targets, chunks=chunks, temperature=0.7)
+    logits = hidden.double() @ weight.double().t() / 0.7
+    expected = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    assert not entropy.requires_grad
+    torch.testing.assert_close(entropy.double(), expected, rtol=1e-5, atol=1e-5)
+    assert bool((entropy > 0).all()) and bool((entropy < torch.log(torch.tensor(11.0))).all())
+    logprobs.sum().backward()
+    plain = hidden.clone().requires_grad_(True)
+    token_logprobs(plain, weight, targets, chunks=chunks, temperature=0.7).sum().backward()
+    assert torch.equal(h.grad, plain.grad)  # the entropy pass changes no gradient bit
+
+
+def test_step_report_carries_the_policy_entropy() -> None:
+    from grpod.engine import Engine, EngineConfig
+
+    config = {"task": "copy", "prompts_per_step": 2, "group_size": 4, "threads": 1}
+    one, four = (
+        Engine(EngineConfig.model_validate({**config, "lmhead_chunks": n})) for n in (1, 4)
+    )
+    batch = one.rollout()
+    reports = [engine.accumulate(batch) for engine in (one, four)]
+    assert 0.5 < reports[0].entropy < float(torch.log(torch.tensor(15.0)))  # random init
+    assert reports[1].entropy == pytest.approx(reports[0].entropy, rel=1e-6)
+    assert reports[0].scalars()["entropy"] == reports[0].entropy

@@ -37,6 +37,9 @@ def test_fixed_order_and_one_verdict() -> None:
         "advantage",
         "sampler_mismatch",
         "clip",
+        "dead_campaign",
+        "reward_trend",
+        "entropy",
     ]
     verdict = judge(GuardPolicy(), valid_tokens=0, loss=math.nan, zero_std_group_fraction=1.0)
     assert verdict.action is Action.FLUSH

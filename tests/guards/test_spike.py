@@ -1,5 +1,7 @@
 import math
 
+import pytest
+
 from grpod.guards import Action
 from grpod.guards.config import SpikeConfig
 from grpod.guards.spike import SpikeGuard
@@ -61,12 +63,37 @@ def test_non_finite_and_missing_values_are_skipped() -> None:
     assert len(guard.windows["loss"]) == 32 and len(guard.windows["kl"]) == 0
 
 
-def test_constant_history_uses_the_std_floor() -> None:
+def test_zero_variance_window_is_no_evidence() -> None:
+    """The soak's case: loss exactly 0 for the whole window, then -0.0156 (15593.8 sigma of
+    the old 1e-6 floor) is 1.56 spreads of the 0.01 absolute floor: no spike."""
     guard = SpikeGuard(SpikeConfig(metrics=("loss",)))
-    for _ in range(32):
+    for _ in range(128):
         guard.after(batch(), report(loss=0.0))
-    assert guard.after(batch(), report(loss=0.0)) == []
-    assert len(guard.after(batch(), report(loss=1e-3))) == 1  # 1000 sigma of the 1e-6 floor
+    assert guard.center_spread("loss") == (0.0, 0.01)
+    assert guard.zscore("loss", -0.01559) == pytest.approx(1.559)
+    assert guard.after(batch(), report(loss=-0.01559)) == []
+    (finding,) = guard.after(batch(), report(loss=0.0601))  # 6.01 spreads of the floor
+    assert finding.kind == "loss" and finding.evidence["spread"] == 0.01
+
+
+def test_relative_floor_scales_with_the_center() -> None:
+    guard = SpikeGuard(SpikeConfig(metrics=("grad_norm",)))
+    for _ in range(32):
+        guard.after(batch(), report(grad_norm=2.0))  # flat at 2.0: spread floor 0.05 x 2 = 0.1
+    assert guard.center_spread("grad_norm") == (2.0, pytest.approx(0.1))
+    assert guard.zscore("grad_norm", 2.59) == pytest.approx(5.9)
+    assert len(guard.after(batch(), report(grad_norm=2.61))) == 1  # 6.1 spreads
+
+
+def test_mad_spread_ignores_the_windows_outliers() -> None:
+    """Two earlier outliers inflate the std (hiding a third) but not the MAD."""
+    values = [1.0 + 0.1 * (i % 2) for i in range(30)] + [40.0, 40.0]
+    std, mad = (SpikeGuard(SpikeConfig(metrics=("loss",), spread=s)) for s in ("std", "mad"))
+    for guard in (std, mad):
+        guard.windows["loss"].values.extend(values)
+    assert std.after(batch(), report(loss=30.0)) == []
+    (finding,) = mad.after(batch(), report(loss=30.0))
+    assert finding.evidence["center"] == pytest.approx(1.1)  # 15 x 1.0, 15 x 1.1, 2 x 40
 
 
 def test_window_is_bounded_and_action_configurable() -> None:

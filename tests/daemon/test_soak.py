@@ -1,0 +1,92 @@
+"""A soak in CI: a real `grpod run` of a setting that collapses fast (lr 0.03 on `copy`: the
+policy turns deterministic within ~10 steps, every group's rewards equal from then on).
+
+It asserts what the 10,000-step soak of issue 19 showed was missing: a handful of episodes
+instead of one incident per WARN step, the dead-campaign HALT (exit 3, checkpointed) with its
+one reason, and RSS and the series count flat while it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.daemon.helpers import GRPOD, TINY_ENGINE, Grpod, http_get, write_config
+
+DEAD_STEPS = 100  # the dead_campaign window (default 200): HALT at step ~110
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def _series(text: str) -> int:
+    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def test_a_collapsing_campaign_halts_once_with_few_episodes(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path / "grpod.toml",
+        {
+            "engine": {**TINY_ENGINE, "lr": 0.03},
+            "guards.dead_campaign": {"steps": DEAD_STEPS},
+            "daemon": {
+                "max_steps": 400,
+                "metrics_port": 0,
+                "log_format": "json",
+                "progress": "off",
+                "linger_seconds": 60,
+            },
+        },
+    )
+    run_dir = tmp_path / "run"
+    grpod = Grpod(["--config", str(config), "--run-dir", str(run_dir)], tmp_path)
+    url = grpod.wait_event(lambda e: e["event"] == "started")["metrics"]
+    samples: list[tuple[int, float, int]] = []  # (step, RSS MiB, series) from step 20 on
+    while not any(e["event"] == "stopping" for e in grpod.events):
+        status, text = http_get(url)
+        steps = [e["step"] for e in grpod.steps()]
+        if status == 200 and steps and steps[-1] >= 20:
+            samples.append((steps[-1], _rss_mib(grpod.proc.pid), _series(text)))
+        assert grpod.proc.poll() is None, grpod.events[-3:]
+        time.sleep(0.25)
+    final = http_get(url)[1]  # lingering: the halted run's last state
+    grpod.signal(signal.SIGTERM)
+    assert grpod.wait() == 3, grpod.stderr[-2000:]
+
+    stopping = grpod.event("stopping")
+    halt_step = grpod.steps()[-1]["step"]
+    assert DEAD_STEPS - 1 <= halt_step < 2 * DEAD_STEPS, halt_step  # steps 0..99: 100
+    assert "dead_campaign" in stopping["reason"], stopping
+    assert f"no learning signal for {DEAD_STEPS} steps" in stopping["reason"]
+    assert grpod.event("checkpoint")["reason"] == "halt"
+    assert "grpod_halted 1.0" in final.splitlines()
+
+    listing = subprocess.run(
+        [GRPOD, "incidents", "list", "--json", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    episodes = json.loads(listing.stdout)
+    warned = sum(1 for e in grpod.steps() if e["verdict"] != "PASS")
+    assert warned >= 0.9 * DEAD_STEPS  # nearly every collapsed step is a WARN...
+    assert len(episodes) <= 8, [(e["guard"], e["kind"], e["step"]) for e in episodes]
+    (dead,) = [e for e in episodes if e["guard"] == "dead_campaign"]  # ...in a few episodes
+    assert (dead["action"], dead["step"], dead["steps"]) == ("HALT", halt_step, 1)
+    advantage = [e for e in episodes if e["guard"] == "advantage"]
+    longest = max(advantage, key=lambda e: e["steps"])  # a step or two may lack the finding
+    assert longest["steps"] >= 0.9 * DEAD_STEPS and longest["span_steps"] >= 0.9 * halt_step
+    assert all(e["status"] == "closed" for e in episodes)  # the run stopped
+
+    assert len(samples) >= 10, samples
+    rss = [r for _, r, _ in samples]
+    assert max(rss) - rss[0] < 40, samples  # MiB: flat, not growing per step or incident
+    series = [s for _, _, s in samples]  # bounded: a guard's first finding adds its label pair
+    assert series == sorted(series) and series[-1] - series[0] <= len(episodes), samples
