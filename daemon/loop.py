@@ -230,6 +230,8 @@ class Daemon:
         }
         if report.kv_cache is not None:
             fields["kv_cache"] = dataclasses.asdict(report.kv_cache)
+        if report.reward_functions:
+            fields["rewards"] = report.reward_functions
         if verdict.findings:
             fields["findings"] = [
                 {"guard": f.guard, "action": f.action.name, "message": f.message}

@@ -20,8 +20,8 @@ from typing import Any
 
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
-from grpod.engine.tasks import Task, build_task
-from grpod.engine.tokenizer import CharTokenizer, encode_prompt
+from grpod.engine.tasks import Task, build_task, load_reward
+from grpod.engine.tokenizer import CharTokenizer, encode_prompt, require_chat_template
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -42,6 +42,7 @@ def preflight(config: EngineConfig) -> None:
             f"max_position_embeddings {positions}"
         )
     _special_ids(config.model, tokenizer, vocab_size)
+    require_chat_template(tokenizer, config.prompt_format)
     _prompts(config, task, tokenizer, vocab_size)
     _reward_once(config, task)
 
@@ -113,7 +114,9 @@ def _prompts(config: EngineConfig, task: Task, tokenizer: Any, vocab_size: int) 
         return
     room = config.seq_len - config.max_new_tokens
     for index, prompt in enumerate(prompts):
-        ids = encode_prompt(tokenizer, prompt.text, task.name)
+        ids = encode_prompt(
+            tokenizer, prompt.text, task.name, config.prompt_format, config.system_prompt
+        )
         if len(ids) > room:
             raise EngineError(
                 f"task {task.name}: prompt {index} ({prompt.text[:40]!r}) is {len(ids)} tokens; "
@@ -128,22 +131,27 @@ def _prompts(config: EngineConfig, task: Task, tokenizer: Any, vocab_size: int) 
 
 
 def _reward_once(config: EngineConfig, task: Task) -> None:
-    """The reward imported and called on the first prompt with its answer as the completion."""
+    """Each reward (the task's, `reward` or every `rewards` entry) imported and called on the
+    first prompt with its answer as the completion."""
     prompts = getattr(task, "prompts", None) or task.prompts_for_step(0, 1, config.seed)
     first = prompts[0]
-    name = config.reward or "the task's reward"
-    try:
-        value = task.reward_fn(first.text, first.answer, first.answer)
-    except Exception as exc:
-        raise EngineError(
-            f"reward {name}: raised on prompt 0 ({first.text[:40]!r}): {type(exc).__name__}: {exc}"
-        ) from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise EngineError(
-            f"reward {name}: returned {type(value).__name__}, not a number, on prompt 0"
-        )
-    if not math.isfinite(value):
-        raise EngineError(f"reward {name}: returned {value} on prompt 0")
+    functions = [(spec, load_reward(spec)) for spec in config.rewards] or [
+        (config.reward or "the task's reward", task.reward_fn)
+    ]
+    for name, fn in functions:
+        try:
+            value = fn(first.text, first.answer, first.answer)
+        except Exception as exc:
+            raise EngineError(
+                f"reward {name}: raised on prompt 0 ({first.text[:40]!r}): "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise EngineError(
+                f"reward {name}: returned {type(value).__name__}, not a number, on prompt 0"
+            )
+        if not math.isfinite(value):
+            raise EngineError(f"reward {name}: returned {value} on prompt 0")
 
 
 def _first_line(exc: BaseException) -> str:

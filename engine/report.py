@@ -61,6 +61,8 @@ class StepReport:
     chunk_trace: list[ChunkTrace] = field(default_factory=list)
     skipped_compute: bool = False
     kv_cache: KVCacheReport | None = None  # None: the dense rollout cache
+    # `[engine] rewards`: each function's {"mean", "std"} over the step's completions
+    reward_functions: dict[str, dict[str, float]] = field(default_factory=dict)
 
     SCALARS = (
         "valid_tokens",
