@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from grpod.engine.report import StepReport
 from grpod.engine.verdict import Outcome, Verdict
 
-PHASES = ("rollout", "score", "grad", "optim", "guards", "record", "checkpoint")
+PHASES = ("rollout", "score", "grad", "optim", "guards", "record", "checkpoint", "eval")
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # gauge name -> StepReport field (None in the report -> NaN on the gauge)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
 from grpod.engine.model import load_policy
-from grpod.engine.tasks import build_task
+from grpod.engine.tasks import task_chars
 
 
 def export_pretrained(config: EngineConfig, checkpoint: Path, out: Path) -> Path:
@@ -28,9 +28,7 @@ def export_pretrained(config: EngineConfig, checkpoint: Path, out: Path) -> Path
     weights_file = checkpoint / "model.safetensors"
     if not weights_file.is_file():
         raise EngineError(f"checkpoint {checkpoint}: missing model.safetensors")
-    # the built-in tokenizer's characters come from the task's prompts (no reward needed)
-    task = build_task(config.task, "", config.long_prompt_batch_fraction)
-    model, tokenizer = load_policy(config.model, task.chars, config.seq_len)
+    model, tokenizer = load_policy(config.model, task_chars(config.task), config.seq_len)
     try:
         weights = load_file(str(weights_file))
     except Exception as exc:  # safetensors raises bare errors on truncated files

@@ -236,3 +236,9 @@ def build_task(
     if task == "kv-retrieval":
         return KVRetrievalTask(long_batch_fraction, kv_records, kv_asked)
     return JsonlTask(task, reward)
+
+
+def task_chars(task: str) -> str:
+    """The characters of a task's prompts and answers (the built-in tokenizer's vocabulary);
+    imports no reward."""
+    return build_task(task).chars

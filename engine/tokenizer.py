@@ -41,6 +41,10 @@ class CharTokenizer:
         """`<bos>` then the prompt's ids (this tokenizer always adds its BOS)."""
         return [BOS, *self.encode(text)]
 
+    def decode_prompt(self, ids: list[int]) -> str:
+        """A prompt's text as the model saw it (`<bos>` dropped: it is always there)."""
+        return self.decode([i for i in ids if i != BOS])
+
     def to_hf(self):
         """The same tokenizer as a `PreTrainedTokenizerFast` (WordLevel, one token per
         character, `<bos>` prepended), for `grpod export`."""
@@ -93,6 +97,10 @@ class HFTokenizerAdapter:
         """The prompt's ids with the special tokens the tokenizer itself adds (its BOS, if any)."""
         return list(self._tok.encode(text, add_special_tokens=True))
 
+    def decode_prompt(self, ids: list[int]) -> str:
+        """A prompt's text as the model saw it, special tokens (chat markup) included."""
+        return self._tok.decode(ids, skip_special_tokens=False)
+
     def to_hf(self):
         """The wrapped Hugging Face tokenizer (for `grpod export`)."""
         return self._tok
@@ -112,7 +120,7 @@ class HFTokenizerAdapter:
 def encode_prompt(
     tokenizer: CharTokenizer | HFTokenizerAdapter,
     text: str,
-    task: str,
+    source: str,
     prompt_format: Literal["raw", "chat"] = "raw",
     system_prompt: str = "",
 ) -> list[int]:
@@ -120,9 +128,9 @@ def encode_prompt(
     with the special tokens the tokenizer itself adds (its BOS, if any); `chat` =
     `[system?, {"role": "user", "content": text}]` through the tokenizer's `chat_template`
     with the assistant's generation prompt. An unencodable prompt is an EngineError naming
-    the task.
+    its `source` ("task arith", "eval_task held.jsonl").
 
-    >>> encode_prompt(CharTokenizer("0123456789+="), "1+2=", "arith")
+    >>> encode_prompt(CharTokenizer("0123456789+="), "1+2=", "task arith")
     [1, 4, 13, 5, 14]
     """
     require_chat_template(tokenizer, prompt_format)
@@ -132,10 +140,12 @@ def encode_prompt(
             return tokenizer.encode_chat([*system, {"role": "user", "content": text}])
         return tokenizer.encode_prompt(text)
     except ValueError as exc:
-        raise EngineError(f"task {task}: prompt {text[:40]!r}: {exc}") from None
+        raise EngineError(f"{source}: prompt {text[:40]!r}: {exc}") from None
 
 
-def require_chat_template(tokenizer: CharTokenizer | HFTokenizerAdapter, prompt_format: str) -> None:
+def require_chat_template(
+    tokenizer: CharTokenizer | HFTokenizerAdapter, prompt_format: str
+) -> None:
     """`prompt_format = "chat"` needs a tokenizer with a `chat_template` (an EngineError)."""
     if prompt_format == "chat" and not tokenizer.chat_template:
         raise EngineError("prompt_format chat: the tokenizer has no chat_template")

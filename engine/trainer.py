@@ -433,10 +433,10 @@ class Engine:
         )
 
     def encode_prompt(self, text: str) -> list[int]:
-        """A prompt's ids as fed to the policy (`prompt_format`), exactly as preflight checks them."""
+        """A prompt's ids as fed to the policy (`prompt_format`), as preflight checks them."""
         cfg = self.config
         return encode_prompt(
-            self.tokenizer, text, self.task.name, cfg.prompt_format, cfg.system_prompt
+            self.tokenizer, text, f"task {self.task.name}", cfg.prompt_format, cfg.system_prompt
         )
 
     def take_phase_seconds(self) -> dict[str, float]:
