@@ -48,6 +48,24 @@ class FaultsConfig(BaseModel):
         )
 
 
+class LoraConfig(BaseModel):
+    """LoRA adapters with PEFT (the `lora` extra): only they train, in FP32; rank 0 = off."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(0, ge=0, description="adapter rank; 0 = off (full fine-tuning)")
+    alpha: float = Field(16.0, gt=0.0, description="scaling: the update is alpha / rank * B A")
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="> 0 draws torch's RNG: replay is then not bit-exact"
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+        ],
+        description="module names that get adapters (Qwen2 / Llama projections)",
+    )  # fmt: skip
+
+
 class EngineConfig(BaseModel):
     """Every knob of a GRPO step. Defaults are the embedded W1 setting."""
 
@@ -145,6 +163,7 @@ class EngineConfig(BaseModel):
     # reproducibility and threads
     seed: int = 0
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = leave as is")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     faults: FaultsConfig = Field(
         default_factory=FaultsConfig,
         description="drill fault injection (engine/faults.py); off by default",
@@ -180,6 +199,8 @@ class EngineConfig(BaseModel):
             raise ValueError("eval_every needs an eval_task")
         if self.eval_task and not _is_task(self.eval_task):
             raise ValueError(f"eval_task must be one of {sorted(BUILTIN_TASKS)} or a .jsonl path")
+        if self.lora.rank and self.rollout_backend == "vllm":
+            raise ValueError("lora: the vllm rollout backend does not take adapters yet")
         if "" in self.stop:
             raise ValueError("stop strings must not be empty")
         return self

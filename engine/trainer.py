@@ -25,6 +25,7 @@ from grpod.engine.faults import Faults
 from grpod.engine.flat import flatten_parameters
 from grpod.engine.fused import unsupported as decoder_unsupported
 from grpod.engine.layout import micro_layout, run_trunk, trunk_passes
+from grpod.engine.lora import apply_lora, reference_mode
 from grpod.engine.loss import LossSettings, policy_token_loss, token_logprobs
 from grpod.engine.model import load_policy, resolve_device
 from grpod.engine.packing import Sample, pack
@@ -100,14 +101,20 @@ class Engine:
                 f"model {config.model}: rollout_kv_cache {self.kv_cache.policy!r} needs the "
                 f"fused decoder, which does not cover it ({decoder_unsupported(self.model)})"
             )
+        # LoRA: adapters injected in place, base frozen; `adapters` is the PEFT handle
+        self.adapters = (
+            apply_lora(self.model, config.lora, config.seed) if config.lora.rank else None
+        )
         self.model.to(self.device)
         require_chat_template(self.tokenizer, config.prompt_format)
         self.rewards = RewardSet(self.task, config.rewards, config.reward_weights)
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.model)
         # one storage for every parameter: the guards' weights check is then one reduction
         self.flat_weights = flatten_parameters(self.model)
-        self.reference = (
-            copy.deepcopy(self.model).requires_grad_(False) if config.kl_beta > 0 else None
+        self.reference = (  # with LoRA the reference is the base: the adapters disabled
+            copy.deepcopy(self.model).requires_grad_(False)
+            if config.kl_beta > 0 and self.adapters is None
+            else None
         )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -219,10 +226,8 @@ class Engine:
             raise EngineError(
                 f"batch step {batch.step}: tis_cap is on but the batch has no sampler logprobs"
             )
-        reference = None
-        if self.reference is not None:  # kl_beta > 0: the frozen reference's logprobs
-            with self._timed("score"):
-                reference = self.score(batch, self.reference)
+        with self._timed("score"):
+            reference = self._reference_logprobs(batch)  # kl_beta > 0
         with self._timed("grad"):
             stats = StepStats()
             self.counter.start_step()
@@ -361,6 +366,15 @@ class Engine:
             temperature=self.config.temperature,
         )
 
+    def _reference_logprobs(self, batch: TransportBatch) -> torch.Tensor | None:
+        """The KL reference's logprobs: the frozen copy, or the base with adapters off."""
+        if self.config.kl_beta == 0:
+            return None
+        if self.adapters is not None:
+            with reference_mode(self.adapters):
+                return self.score(batch)
+        return self.score(batch, self.reference)
+
     def _gather(self, tensor: torch.Tensor, micro: int, index: torch.Tensor) -> torch.Tensor:
         """Host tensor `[micros, rows, seq]` -> the micro's values at flat `index`, on device."""
         return tensor[micro].reshape(-1)[index].to(self.device, non_blocking=True)
@@ -478,18 +492,23 @@ class Engine:
         if self._pending is not None:
             raise EngineError(f"step {self._pending.step} is still pending (apply or flush it)")
         return {
-            "model": {name: p.detach() for name, p in self.model.named_parameters()},
+            "model": {name: p.detach() for name, p in self.trained_parameters()},
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "cursor": self.cursor.state_dict(),
         }
+
+    def trained_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """What a checkpoint holds of the model: every trainable parameter (all of them, or
+        with LoRA only the adapters: the frozen base is the model directory's)."""
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`; a state that does not fit this engine is an EngineError."""
         missing = sorted({"model", "optimizer", "scheduler", "cursor"} - set(state))
         if missing:
             raise EngineError(f"engine state: missing {', '.join(missing)}")
-        params = dict(self.model.named_parameters())
+        params = dict(self.trained_parameters())
         weights = state["model"]
         if set(weights) != set(params):
             raise EngineError("weights do not match the model's parameters")

@@ -1,8 +1,10 @@
 """`grpod export [--run-dir D] [--step N] OUT`: a checkpoint's policy as a Hugging Face dir.
 
 `AutoModelForCausalLM.from_pretrained(OUT)` loads it and `generate`s with it (safetensors,
-the run's tokenizer and generation config). `--step N` picks the checkpoint whose cursor is
-N (the state after N steps); the default is the latest one. Read-only on the run directory.
+the run's tokenizer and generation config); a LoRA run's adapters are merged into it, or
+with `--adapter` written alone as a PEFT adapter directory (`PeftModel.from_pretrained`).
+`--step N` picks the checkpoint whose cursor is N (the state after N steps); the default is
+the latest one. Read-only on the run directory.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="a checkpoint as a Hugging Face model directory")
     p.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="run directory (%(default)s)")
     p.add_argument("--step", type=int, help="the checkpoint at this step (default: latest)")
+    p.add_argument(
+        "--adapter", action="store_true", help="LoRA runs: the PEFT adapter alone, not merged"
+    )
     p.add_argument("out", metavar="OUT", help="new (or empty) output directory")
     p.set_defaults(handler=_export)
 
@@ -43,7 +48,9 @@ def _export(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--step {step}: no checkpoint at that step in {run.path} (have {_listing(steps)})"
         )
-    out = export_pretrained(config.engine, run.checkpoint_path(step), Path(args.out))
+    out = export_pretrained(
+        config.engine, run.checkpoint_path(step), Path(args.out), adapter=args.adapter
+    )
     print(f"exported checkpoint step {step} of {run.path} to {out}")
     return 0
 
