@@ -33,12 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _export(args: argparse.Namespace) -> int:
     from grpod.daemon.config import load_config
     from grpod.daemon.errors import ConfigError
-    from grpod.daemon.rundir import RunDir
+    from grpod.daemon.rundir import existing_run_dir
     from grpod.engine.export import export_pretrained
 
-    run = RunDir(args.run_dir)
-    if not run.is_run():
-        raise ConfigError(f"run dir {run.path}: not a grpod run directory")
+    run = existing_run_dir(args.run_dir)
     config = load_config(run.config_path)
     steps = checkpoint_steps(run)
     if not steps:
