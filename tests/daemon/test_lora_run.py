@@ -23,6 +23,9 @@ def test_lora_run_replays_bit_exactly_and_exports(
 
     config = tiny_config(tmp_path / "grpod.toml", 0, {"lr": 1e-2}, max_steps=4)
     extra = "\n[engine.faults]\nnan_loss_steps = [2]\n\n[engine.lora]\nrank = 4\nalpha = 8.0\n"
+    # no pruning while running: both earlier checkpoints are incident-pinned, which would
+    # start retention at step 4 and drop step 3's batch
+    extra += "\n[forensics]\nkeep_checkpoints = 0\n"
     config.write_text(config.read_text() + extra)
     run = tmp_path / "run"
     g = run_to_end(["--config", str(config), "--run-dir", str(run)], tmp_path)
