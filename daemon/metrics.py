@@ -193,6 +193,7 @@ class Metrics:
         self._child(self.kv_slots, policy).set(_number(kv and kv.length))
         self._child(self.kv_protected, "sink").set(_number(kv and kv.sink_tokens))
         self._child(self.kv_protected, "grace").set(_number(kv and kv.grace_period))
+
     def observe_eval(self, step: int, rewards: dict[str, float]) -> None:
         """Publish one held-out evaluation: {reward name or "total": mean}."""
         for name, value in rewards.items():

@@ -51,7 +51,7 @@ class FaultsConfig(BaseModel):
 class LoraConfig(BaseModel):
     """LoRA adapters with PEFT (the `lora` extra): only they train, in FP32; rank 0 = off."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     rank: int = Field(0, ge=0, description="adapter rank; 0 = off (full fine-tuning)")
     alpha: float = Field(16.0, gt=0.0, description="scaling: the update is alpha / rank * B A")
