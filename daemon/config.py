@@ -55,6 +55,9 @@ class DaemonConfig(BaseModel):
     state_digest_on_exit: bool = Field(
         False, description="log engine.state_digest() at exit (hashes all weights; tests, audits)"
     )
+    log_samples: int = Field(
+        0, ge=0, description="decoded completions (with rewards) in each step event and incident"
+    )
     progress: Literal["auto", "on", "off"] = Field(
         "auto", description="progress bar on stderr; auto = only when stderr is a TTY"
     )

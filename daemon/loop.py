@@ -35,6 +35,8 @@ from grpod.daemon.rundir import Plan, link_latest
 from grpod.daemon.signals import AbandonStep, Signals
 from grpod.engine import Engine
 from grpod.engine.checkpoint import load_checkpoint, save_checkpoint
+from grpod.engine.eval import Evaluator
+from grpod.engine.samples import decode_samples
 from grpod.engine.step import decide_step
 from grpod.engine.verdict import Action, Verdict
 from grpod.forensics.recorder import FlightRecorder
@@ -75,6 +77,7 @@ class Daemon:
                     f"{exc.strerror or exc}"
                 ) from None
         self.engine: Engine | None = None
+        self.evaluator: Evaluator | None = None
         self.policy: GuardPolicy | None = None
         self.recorder: FlightRecorder | None = None
         self.last_recorded = -1  # the highest step the store held at start: re-runs up to it
@@ -125,6 +128,8 @@ class Daemon:
         plan, cfg = self.plan, self.config
         self.notifier.extend_timeout(cfg.daemon.checkpoint_timeout_seconds)
         self.engine = Engine(cfg.engine)  # before the run dir: a bad engine config creates nothing
+        if cfg.engine.eval_every:
+            self.evaluator = Evaluator(self.engine)
         self.policy = GuardPolicy(cfg.guards)
         if not plan.resume:
             plan.run_dir.create(plan.run_id, cfg)
@@ -191,6 +196,8 @@ class Daemon:
                 )
             if self.engine.step % every == 0:
                 self._checkpoint("periodic")
+            if self.evaluator is not None and self.engine.step % self.config.engine.eval_every == 0:
+                self._evaluate()
         if self.signals.abandon_signal is not None:
             return self._abandon("after the step in flight")
         if self.signals.stop_requested:
@@ -232,6 +239,15 @@ class Daemon:
         }
         if report.kv_cache is not None:
             fields["kv_cache"] = dataclasses.asdict(report.kv_cache)
+        if report.reward_functions:
+            fields["rewards"] = report.reward_functions
+        if self.config.daemon.log_samples:
+            fields["samples"] = decode_samples(
+                result.batch,
+                engine.tokenizer,
+                self.config.engine.stop,
+                self.config.daemon.log_samples,
+            )
         if verdict.findings:
             fields["findings"] = [
                 {"guard": f.guard, "action": f.action.name, "message": f.message}
@@ -276,6 +292,15 @@ class Daemon:
         """What a checkpoint holds: the engine (weights, optimizer, schedule, data cursor)
         and the guards' windows and counters."""
         return {"engine": self.engine, "guards": self.policy}
+
+    def _evaluate(self) -> None:
+        """Held-out evaluation of the policy as it stands (engine/eval.py): stored, published
+        and logged; the policy, the data cursor and the next batch are untouched."""
+        result = self.evaluator.run()
+        self.recorder.note_eval(result.to_dict())
+        self.metrics.observe_eval(result.step, result.rewards)
+        self.metrics.phase_seconds.labels("eval").observe(result.seconds)
+        self.log.info("eval", **result.to_dict())
 
     def _reload_guards(self) -> None:
         """SIGHUP: new guard thresholds from the config file; the engine is never reloaded."""

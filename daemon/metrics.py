@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from grpod.engine.report import StepReport
 from grpod.engine.verdict import Outcome, Verdict
 
-PHASES = ("rollout", "score", "grad", "optim", "guards", "record", "checkpoint")
+PHASES = ("rollout", "score", "grad", "optim", "guards", "record", "checkpoint", "eval")
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # gauge name -> StepReport field (None in the report -> NaN on the gauge)
@@ -79,6 +79,19 @@ class Metrics:
             "Rollout cache tokens never evicted: attention sinks, H2O grace period",
             ("kind",),
         )
+        # `reward` is one of the config's `rewards` ("module:function"): bounded by the config
+        self.reward_function_mean = gauge(
+            "reward_function_mean", "Mean of one reward function over the step", ("reward",)
+        )
+        self.reward_function_std = gauge(
+            "reward_function_std", "Population std of one reward function", ("reward",)
+        )
+        self.eval_reward = gauge(
+            "eval_reward",
+            "Mean reward of the last held-out evaluation ('total': weighted)",
+            ("reward",),
+        )
+        self.eval_step = gauge("eval_step", "Step of the last held-out evaluation", mode="max")
         self.correlation = gauge(
             "gradnorm_vtc_correlation", "Correlation of grad norm with 1/valid tokens (guards)"
         )
@@ -167,6 +180,9 @@ class Metrics:
         self._child(self.clip_fraction, "high").set(_number(report.clip_fraction_high))
         self.correlation.set(_number(gradnorm_vtc_correlation))
         self._observe_kv_cache(getattr(report, "kv_cache", None))
+        for name, stats in report.reward_functions.items():
+            self._child(self.reward_function_mean, name).set(_number(stats["mean"]))
+            self._child(self.reward_function_std, name).set(_number(stats["std"]))
         self._child(self.steps_total, outcome).inc()
         for finding in verdict.findings:
             self.findings_total.labels(finding.guard, _action_name(finding.action)).inc()
@@ -189,6 +205,12 @@ class Metrics:
         self._child(self.kv_slots, policy).set(_number(kv and kv.length))
         self._child(self.kv_protected, "sink").set(_number(kv and kv.sink_tokens))
         self._child(self.kv_protected, "grace").set(_number(kv and kv.grace_period))
+
+    def observe_eval(self, step: int, rewards: dict[str, float]) -> None:
+        """Publish one held-out evaluation: {reward name or "total": mean}."""
+        for name, value in rewards.items():
+            self._child(self.eval_reward, name).set(_number(value))
+        self.eval_step.set(step)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, looked up once (labels() validates and locks per call)."""

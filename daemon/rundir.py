@@ -106,6 +106,14 @@ class RunDir:
             return None
 
 
+def existing_run_dir(path: str | os.PathLike) -> RunDir:
+    """A run directory a reader command names; ConfigError when it is not one."""
+    run = RunDir(path)
+    if not run.is_run():
+        raise ConfigError(f"run dir {run.path}: not a grpod run directory")
+    return run
+
+
 @dataclass(frozen=True)
 class Plan:
     """What `grpod run` will do, decided before anything is written."""

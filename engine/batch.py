@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,8 @@ class TransportBatch:
     micro_order: list[int] | None = None  # micros reordered from the batch as rolled out
     kv_cache: KVCacheSpec | None = None  # the rollout's bounded KV cache (None: dense)
     kv_cache_stats: CacheStats | None = None  # that cache after the prefill
+    # `[engine] rewards`: each function's value per sample (the rewards are their weighted sum)
+    function_rewards: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def num_micros(self) -> int:
@@ -83,6 +85,17 @@ class TransportBatch:
         """`[micros, sequence_chunks]` trainable tokens per chunk of each flattened micro."""
         flat = self.loss_mask.reshape(self.num_micros, -1)
         return torch.stack([c.sum(-1) for c in flat.tensor_split(self.sequence_chunks, -1)], -1)
+
+    def sample_tokens(self) -> list[tuple[list[int], list[int]]]:
+        """Each sample's `(prompt ids, completion ids)`, by sample index, unpacked from rows."""
+        ids = self.input_ids.reshape(-1).tolist()
+        owner = self.sample_ids.reshape(-1).tolist()
+        trained = self.loss_mask.reshape(-1).tolist()
+        out: list[tuple[list[int], list[int]]] = [([], []) for _ in range(self.num_samples)]
+        for token, sample, completion in zip(ids, owner, trained):
+            if sample >= 0:
+                out[sample][1 if completion else 0].append(token)
+        return out
 
     def reorder(self, order: list[int]) -> TransportBatch:
         """The same batch with its micros run in `order` (a permutation of micro indices).
@@ -114,6 +127,12 @@ class TransportBatch:
             "generation": str(self.generation),
             "injected_faults": ",".join(self.injected_faults),
             "micro_order": "" if self.micro_order is None else json.dumps(self.micro_order),
+            # only with several rewards: the metadata of every other batch stays as it was
+            **(
+                {"function_rewards": json.dumps(self.function_rewards, sort_keys=True)}
+                if self.function_rewards
+                else {}
+            ),
         }
         if self.kv_cache is not None:  # absent for a dense rollout: its digest is unchanged
             metadata["kv_cache"] = self.kv_cache.to_json()
@@ -201,6 +220,7 @@ def _provenance(metadata: dict[str, str]) -> dict[str, Any]:
             "generation": int(meta.get("generation", 0)),
             "injected_faults": tuple(meta.get("injected", ())),
             "micro_order": None if order is None else [int(i) for i in order],
+            "function_rewards": dict(meta.get("rewards", {})),
         }
     faults, order = metadata.get("injected_faults", ""), metadata.get("micro_order", "")
     kv_cache, kv_stats = metadata.get("kv_cache"), metadata.get("kv_cache_stats")
@@ -210,4 +230,5 @@ def _provenance(metadata: dict[str, str]) -> dict[str, Any]:
         "micro_order": [int(i) for i in json.loads(order)] if order else None,
         "kv_cache": KVCacheSpec.from_json(kv_cache) if kv_cache else None,
         "kv_cache_stats": CacheStats.from_json(kv_stats) if kv_stats else None,
+        "function_rewards": json.loads(metadata.get("function_rewards", "{}")),
     }

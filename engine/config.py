@@ -48,6 +48,24 @@ class FaultsConfig(BaseModel):
         )
 
 
+class LoraConfig(BaseModel):
+    """LoRA adapters with PEFT (the `lora` extra): only they train, in FP32; rank 0 = off."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    rank: int = Field(0, ge=0, description="adapter rank; 0 = off (full fine-tuning)")
+    alpha: float = Field(16.0, gt=0.0, description="scaling: the update is alpha / rank * B A")
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="> 0 draws torch's RNG: replay is then not bit-exact"
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+        ],
+        description="module names that get adapters (Qwen2 / Llama projections)",
+    )  # fmt: skip
+
+
 class EngineConfig(BaseModel):
     """Every knob of a GRPO step. Defaults are the embedded W1 setting."""
 
@@ -58,6 +76,20 @@ class EngineConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     task: str = Field("arith", description="arith | copy | kv-retrieval | path to a JSONL file")
     reward: str = Field("", description="module:function for a JSONL task (default: exact match)")
+    rewards: list[str] = Field(
+        default_factory=list,
+        description="several module:function rewards (instead of reward), summed with weights",
+    )
+    reward_weights: list[float] = Field(
+        default_factory=list, description="one weight per rewards entry; [] = all 1.0"
+    )
+    prompt_format: Literal["raw", "chat"] = Field(
+        "raw", description="raw text, or the tokenizer's chat_template with a generation prompt"
+    )
+    system_prompt: str = Field("", description="chat: a system message before the prompt")
+    stop: list[str] = Field(
+        default_factory=list, description="a completion ends after the token completing one"
+    )
     long_prompt_batch_fraction: float = Field(
         0.0, ge=0.0, le=1.0, description="kv-retrieval: fraction of all-long-prompt batches"
     )
@@ -94,6 +126,11 @@ class EngineConfig(BaseModel):
     device: str = Field(
         "cpu", pattern=r"^(cpu|cuda(:\d+)?|auto)$", description="cpu | cuda[:N] | auto"
     )
+    # held-out evaluation (engine/eval.py): never touches the policy or the data cursor
+    eval_task: str = Field("", description="arith | copy | kv-retrieval | a JSONL file; '' = off")
+    eval_every: int = Field(0, ge=0, description="evaluate every K steps; 0 = never")
+    eval_samples: int = Field(16, ge=1, description="prompts per evaluation, one completion each")
+    eval_temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
     # advantages
     scale_rewards: Literal["group", "batch", "none"] = "group"
     advantage_std: Literal["population", "sample"] = Field(
@@ -126,6 +163,7 @@ class EngineConfig(BaseModel):
     # reproducibility and threads
     seed: int = 0
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = leave as is")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     faults: FaultsConfig = Field(
         default_factory=FaultsConfig,
         description="drill fault injection (engine/faults.py); off by default",
@@ -142,10 +180,29 @@ class EngineConfig(BaseModel):
     def _check(self) -> EngineConfig:
         if self.max_new_tokens + 2 > self.seq_len:
             raise ValueError(f"seq_len {self.seq_len} leaves no room for a prompt")
-        if self.task.endswith(".jsonl") is False and self.task not in BUILTIN_TASKS:
+        if not _is_task(self.task):
             raise ValueError(f"task must be one of {sorted(BUILTIN_TASKS)} or a .jsonl path")
         self._check_kv_retrieval()
         self._check_kv_cache()
+        if self.reward and self.rewards:
+            raise ValueError("give reward or rewards, not both")
+        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(
+                f"reward_weights has {len(self.reward_weights)} entries, "
+                f"rewards has {len(self.rewards)}"
+            )
+        if len(set(self.rewards)) != len(self.rewards):
+            raise ValueError("rewards lists a function twice")
+        if self.system_prompt and self.prompt_format != "chat":
+            raise ValueError("system_prompt needs prompt_format = 'chat'")
+        if self.eval_every and not self.eval_task:
+            raise ValueError("eval_every needs an eval_task")
+        if self.eval_task and not _is_task(self.eval_task):
+            raise ValueError(f"eval_task must be one of {sorted(BUILTIN_TASKS)} or a .jsonl path")
+        if self.lora.rank and self.rollout_backend == "vllm":
+            raise ValueError("lora: the vllm rollout backend does not take adapters yet")
+        if "" in self.stop:
+            raise ValueError("stop strings must not be empty")
         return self
 
     def _check_kv_retrieval(self) -> None:
@@ -213,3 +270,7 @@ MAX_KV_RECORDS = 26 * 26  # kv-retrieval's keys are distinct two-letter strings
 def kv_retrieval_prompt_tokens(records: int) -> int:
     """Character tokens of a kv-retrieval prompt: `<bos>`, `ab:3;` per record, `?ab=`."""
     return 1 + 5 * records + 4
+
+
+def _is_task(name: str) -> bool:
+    return name.endswith(".jsonl") or name in BUILTIN_TASKS

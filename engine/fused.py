@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpod.engine.lora import has_adapters
 from grpod.engine.packing import causal_and_eye, first_fit_decreasing
 
 ARCHITECTURES = frozenset({"qwen2", "llama"})
@@ -54,6 +55,8 @@ def unsupported(model: torch.nn.Module) -> str | None:
         return f"rope type {rope_type!r} depends on the sequence length"
     if _has_hooks(model):
         return "the model has forward hooks"
+    if has_adapters(model):  # its layers add adapter deltas that these paths do not apply
+        return "LoRA adapters"
     return None
 
 

@@ -50,17 +50,33 @@ def load_policy(name: str, chars: str, max_positions: int):
         return build_tiny_qwen2(tokenizer.vocab_size, max(64, max_positions)), tokenizer
     path = Path(name)
     check_model_dir(path)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"
         )
-        tokenizer = HFTokenizerAdapter(AutoTokenizer.from_pretrained(path, local_files_only=True))
     except Exception as exc:  # transformers and safetensors raise many types for a bad file
-        text = str(exc).strip() or type(exc).__name__
-        raise EngineError(f"model {name}: cannot load: {text.splitlines()[0]}") from None
-    return model.float(), tokenizer
+        raise EngineError(f"model {name}: cannot load: {first_line(exc)}") from None
+    return model.float(), load_tokenizer(name, chars)
+
+
+def load_tokenizer(name: str, chars: str) -> CharTokenizer | HFTokenizerAdapter:
+    """The tokenizer of `name` alone (no weights): for preflight and decoding a recorded batch."""
+    if name == "tiny-qwen2":
+        return CharTokenizer(chars)
+    from transformers import AutoTokenizer
+
+    try:
+        return HFTokenizerAdapter(AutoTokenizer.from_pretrained(name, local_files_only=True))
+    except Exception as exc:  # transformers raises many types for one bad file
+        raise EngineError(f"model {name}: cannot load: {first_line(exc)}") from None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def check_model_dir(path: Path) -> None:

@@ -20,8 +20,8 @@ from typing import Any
 
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
-from grpod.engine.tasks import Task, build_task
-from grpod.engine.tokenizer import CharTokenizer, encode_prompt
+from grpod.engine.tasks import Prompt, Task, build_task, load_reward
+from grpod.engine.tokenizer import CharTokenizer, encode_prompt, require_chat_template
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -42,7 +42,12 @@ def preflight(config: EngineConfig) -> None:
             f"max_position_embeddings {positions}"
         )
     _special_ids(config.model, tokenizer, vocab_size)
-    _prompts(config, task, tokenizer, vocab_size)
+    require_chat_template(tokenizer, config.prompt_format)
+    _prompts(config, f"task {task.name}", getattr(task, "prompts", None), tokenizer, vocab_size)
+    if config.eval_task:  # the prompts the Evaluator will feed, as it picks them
+        held_out = build_task(config.eval_task, config.reward, config.long_prompt_batch_fraction)
+        picked = held_out.prompts_for_step(0, config.eval_samples, config.seed)
+        _prompts(config, f"eval_task {config.eval_task}", picked, tokenizer, vocab_size)
     _reward_once(config, task)
 
 
@@ -55,15 +60,15 @@ def _model_dir(path: Path) -> tuple[Any, int, int | None]:
         raise EngineError(f"model {path}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     for weights in sorted(path.glob("*.safetensors")):
         _check_safetensors(weights)
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    from grpod.engine.tokenizer import HFTokenizerAdapter
+    from grpod.engine.model import first_line, load_tokenizer
 
     try:
         model_config = AutoConfig.from_pretrained(path, local_files_only=True)
-        tokenizer = HFTokenizerAdapter(AutoTokenizer.from_pretrained(path, local_files_only=True))
     except Exception as exc:  # transformers raises many types for one bad file
-        raise EngineError(f"model {path}: cannot load: {_first_line(exc)}") from None
+        raise EngineError(f"model {path}: cannot load: {first_line(exc)}") from None
+    tokenizer = load_tokenizer(str(path), "")
     text_config = getattr(model_config, "text_config", None) or model_config
     vocab = getattr(text_config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab <= 0:
@@ -105,47 +110,50 @@ def _special_ids(model: str, tokenizer: Any, vocab_size: int) -> None:
             )
 
 
-def _prompts(config: EngineConfig, task: Task, tokenizer: Any, vocab_size: int) -> None:
-    """Every prompt of a fixed-prompt task, encoded as the engine will: ids in the vocabulary,
-    and room for `max_new_tokens` within `seq_len`."""
-    prompts = getattr(task, "prompts", None)
+def _prompts(
+    config: EngineConfig, source: str, prompts: list[Prompt] | None, tokenizer: Any, vocab_size: int
+) -> None:
+    """Every prompt of a fixed-prompt task (named by `source`), encoded as the engine will: ids
+    in the vocabulary, and room for `max_new_tokens` within `seq_len`."""
     if prompts is None:  # generated per step (kv-retrieval): bounded by its own construction
         return
     room = config.seq_len - config.max_new_tokens
     for index, prompt in enumerate(prompts):
-        ids = encode_prompt(tokenizer, prompt.text, task.name)
+        ids = encode_prompt(
+            tokenizer, prompt.text, source, config.prompt_format, config.system_prompt
+        )
         if len(ids) > room:
             raise EngineError(
-                f"task {task.name}: prompt {index} ({prompt.text[:40]!r}) is {len(ids)} tokens; "
+                f"{source}: prompt {index} ({prompt.text[:40]!r}) is {len(ids)} tokens; "
                 f"seq_len {config.seq_len} leaves {room} after max_new_tokens "
                 f"{config.max_new_tokens}"
             )
         if ids and max(ids) >= vocab_size:
             raise EngineError(
-                f"task {task.name}: prompt {index} encodes to token id {max(ids)}, outside the "
+                f"{source}: prompt {index} encodes to token id {max(ids)}, outside the "
                 f"model's vocabulary of {vocab_size}"
             )
 
 
 def _reward_once(config: EngineConfig, task: Task) -> None:
-    """The reward imported and called on the first prompt with its answer as the completion."""
+    """Each reward (the task's, `reward` or every `rewards` entry) imported and called on the
+    first prompt with its answer as the completion."""
     prompts = getattr(task, "prompts", None) or task.prompts_for_step(0, 1, config.seed)
     first = prompts[0]
-    name = config.reward or "the task's reward"
-    try:
-        value = task.reward_fn(first.text, first.answer, first.answer)
-    except Exception as exc:
-        raise EngineError(
-            f"reward {name}: raised on prompt 0 ({first.text[:40]!r}): {type(exc).__name__}: {exc}"
-        ) from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise EngineError(
-            f"reward {name}: returned {type(value).__name__}, not a number, on prompt 0"
-        )
-    if not math.isfinite(value):
-        raise EngineError(f"reward {name}: returned {value} on prompt 0")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    functions = [(spec, load_reward(spec)) for spec in config.rewards] or [
+        (config.reward or "the task's reward", task.reward_fn)
+    ]
+    for name, fn in functions:
+        try:
+            value = fn(first.text, first.answer, first.answer)
+        except Exception as exc:
+            raise EngineError(
+                f"reward {name}: raised on prompt 0 ({first.text[:40]!r}): "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise EngineError(
+                f"reward {name}: returned {type(value).__name__}, not a number, on prompt 0"
+            )
+        if not math.isfinite(value):
+            raise EngineError(f"reward {name}: returned {value} on prompt 0")

@@ -63,6 +63,8 @@ class StepReport:
     kv_cache: KVCacheReport | None = None  # None: the dense rollout cache
     # mean policy entropy (nats) per trainable token, from the FP32 head; None when not computed
     entropy: float | None = None
+    # `[engine] rewards`: each function's {"mean", "std"} over the step's completions
+    reward_functions: dict[str, dict[str, float]] = field(default_factory=dict)
 
     SCALARS = (
         "valid_tokens",

@@ -6,7 +6,7 @@ Runs under `torch.no_grad` (not `inference_mode`: its tensors feed the gradient 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,7 +46,7 @@ def sample(
     max_new_tokens: int,
     temperature: float,
     top_p: float,
-    eos_token_id: int,
+    eos_token_id: int | Sequence[int],
     pad_token_id: int,
     generator: torch.Generator,
     dtype: str = "float32",
@@ -55,11 +55,12 @@ def sample(
 ) -> Rollout:
     """Sample one completion per prompt (repeat prompts for a group).
 
-    Each distinct prompt is prefilled once; its KV cache and first-token logits are then
-    fanned out to every completion that shares it (a group's siblings). `decoder="auto"`
-    decodes with `engine.fused.StaticDecoder` where it covers the model, `"hf"` always
-    through the Hugging Face forward. `kv_cache` bounds the decode cache
-    (`engine.kvdecoder.BoundedDecoder`); only the fused decoder evicts.
+    A completion ends with any of the `eos_token_id`s. `temperature = 0` is greedy (the
+    logprobs are then the untempered distribution's). Each distinct prompt is prefilled
+    once; its KV cache and first-token logits are then fanned out to every completion that
+    shares it (a group's siblings). `decoder="auto"` decodes with `engine.fused.StaticDecoder`
+    where it covers the model, `"hf"` always through the Hugging Face forward. `kv_cache`
+    bounds the decode cache (`engine.kvdecoder.BoundedDecoder`); only the fused decoder evicts.
     """
     n = len(prompts)
     device = next(model.parameters()).device
@@ -83,6 +84,9 @@ def sample(
             f"and the fused decoder does not cover this model ({reason})"
         )
     bounded = None
+    stops = torch.tensor(
+        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device
+    )
 
     with compute_context(dtype, device):
         if kv_cache is not None:
@@ -98,14 +102,18 @@ def sample(
         step_pos = positions[:, -1] if fan_out is None else positions[fan_out, -1]
         for t in range(max_new_tokens):
             logits = logits.float()
-            if temperature != 1.0:
-                logits = logits / temperature
-            logprobs = _filter_top_p(logits, top_p).log_softmax(-1)
-            token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+            if temperature == 0.0:
+                logprobs = logits.log_softmax(-1)
+                token = logits.argmax(-1)
+            else:
+                if temperature != 1.0:
+                    logits = logits / temperature
+                logprobs = _filter_top_p(logits, top_p).log_softmax(-1)
+                token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
             out_ids[:, t] = torch.where(alive, token, pad_token_id)
             out_lp[:, t] = torch.where(alive, logprobs.gather(-1, token[:, None]).squeeze(-1), 0.0)
             lengths += alive.long()
-            alive &= token != eos_token_id
+            alive &= ~torch.isin(token, stops)
             if t == max_new_tokens - 1 or not bool(alive.any()):
                 break
             step_pos = step_pos + 1

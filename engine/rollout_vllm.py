@@ -64,7 +64,7 @@ class VLLMSampler:
         max_new_tokens: int,
         temperature: float,
         top_p: float,
-        eos_token_id: int,
+        eos_token_id: int | list[int],
         pad_token_id: int,
         seed: int,
     ) -> Rollout:
@@ -77,7 +77,7 @@ class VLLMSampler:
                 top_p=top_p,
                 max_tokens=max_new_tokens,
                 logprobs=0,  # the sampled token's own logprob
-                stop_token_ids=[eos_token_id],
+                stop_token_ids=[eos_token_id] if isinstance(eos_token_id, int) else eos_token_id,
                 seed=(seed + i) % (1 << 63),
                 detokenize=False,
             )

@@ -9,6 +9,7 @@ import torch
 from grpod.engine.advantages import group_advantages
 from grpod.engine.batch import TransportBatch
 from grpod.engine.report import ChunkTrace, KVCacheReport, StepReport
+from grpod.engine.rewards import reward_stats
 
 
 class StepStats:
@@ -99,6 +100,7 @@ class StepStats:
                 for m, c, n, loss, after in self.trace
             ],
             kv_cache=_kv_cache(batch),
+            reward_functions=reward_stats(batch.function_rewards),
             **mismatch,
         )
 

@@ -46,18 +46,27 @@ class Task:
     def prompts_for_step(self, step: int, n: int, seed: int) -> list[Prompt]:
         raise NotImplementedError
 
-    def score(self, prompt: Prompt, completion: str, index: int) -> float:
-        """The reward of one completion; a raising or non-numeric reward is an EngineError."""
+    def score(
+        self,
+        prompt: Prompt,
+        completion: str,
+        index: int,
+        reward_fn: RewardFn | None = None,
+        reward_name: str = "reward",
+    ) -> float:
+        """The reward of one completion (by the task's reward, or `reward_fn`); a raising or
+        non-numeric reward is an EngineError naming the reward and the sample."""
+        fn = reward_fn or self.reward_fn
         try:
-            value = self.reward_fn(prompt.text, completion, prompt.answer)
+            value = fn(prompt.text, completion, prompt.answer)
         except Exception as exc:
             raise EngineError(
-                f"task {self.name}: reward raised on sample {index} "
+                f"task {self.name}: {reward_name} raised on sample {index} "
                 f"(prompt {prompt.text[:40]!r}): {type(exc).__name__}: {exc}"
             ) from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise EngineError(
-                f"task {self.name}: reward returned {type(value).__name__}, not a number, "
+                f"task {self.name}: {reward_name} returned {type(value).__name__}, not a number, "
                 f"on sample {index} (prompt {prompt.text[:40]!r})"
             )
         return float(value)
@@ -227,3 +236,9 @@ def build_task(
     if task == "kv-retrieval":
         return KVRetrievalTask(long_batch_fraction, kv_records, kv_asked)
     return JsonlTask(task, reward)
+
+
+def task_chars(task: str) -> str:
+    """The characters of a task's prompts and answers (the built-in tokenizer's vocabulary);
+    imports no reward."""
+    return build_task(task).chars

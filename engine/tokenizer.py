@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
+from grpod.engine.errors import EngineError
+
 PAD, BOS, EOS = 0, 1, 2
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 
@@ -31,6 +35,33 @@ class CharTokenizer:
         except KeyError as exc:
             raise ValueError(f"character {exc.args[0]!r} is not in the tokenizer") from None
 
+    chat_template = None  # no chat template: prompt_format = "chat" needs a HF tokenizer
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """`<bos>` then the prompt's ids (this tokenizer always adds its BOS)."""
+        return [BOS, *self.encode(text)]
+
+    def decode_prompt(self, ids: list[int]) -> str:
+        """A prompt's text as the model saw it (`<bos>` dropped: it is always there)."""
+        return self.decode([i for i in ids if i != BOS])
+
+    def to_hf(self):
+        """The same tokenizer as a `PreTrainedTokenizerFast` (WordLevel, one token per
+        character, `<bos>` prepended), for `grpod export`."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {name: i for i, name in enumerate(SPECIALS)} | self._ids
+        core = Tokenizer(models.WordLevel(vocab, unk_token=None))
+        core.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+        core.decoder = decoders.Fuse()
+        core.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", BOS)]
+        )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+        )
+
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, stopping at the first `<eos>` and skipping `<pad>`/`<bos>`."""
         out = []
@@ -58,20 +89,63 @@ class HFTokenizerAdapter:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self._tok, "chat_template", None)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """The prompt's ids with the special tokens the tokenizer itself adds (its BOS, if any)."""
+        return list(self._tok.encode(text, add_special_tokens=True))
+
+    def decode_prompt(self, ids: list[int]) -> str:
+        """A prompt's text as the model saw it, special tokens (chat markup) included."""
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def to_hf(self):
+        """The wrapped Hugging Face tokenizer (for `grpod export`)."""
+        return self._tok
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """`messages` through the chat template, ending with the assistant's generation prompt."""
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # the template writes the BOS text itself where it wants one
+        return list(self._tok.encode(text, add_special_tokens=False))
+
     def decode(self, ids: list[int]) -> str:
         if self.eos_token_id is not None and self.eos_token_id in ids:
             ids = ids[: ids.index(self.eos_token_id)]
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def encode_prompt(tokenizer: CharTokenizer | HFTokenizerAdapter, text: str, task: str) -> list[int]:
-    """A prompt's ids as the engine feeds them: the BOS id (when the tokenizer has one), then
-    the text's tokens; an unencodable prompt is an EngineError naming the task."""
-    from grpod.engine.errors import EngineError
+def encode_prompt(
+    tokenizer: CharTokenizer | HFTokenizerAdapter,
+    text: str,
+    source: str,
+    prompt_format: Literal["raw", "chat"] = "raw",
+    system_prompt: str = "",
+) -> list[int]:
+    """A prompt's ids as the engine feeds them (and preflight measures them): `raw` = the text
+    with the special tokens the tokenizer itself adds (its BOS, if any); `chat` =
+    `[system?, {"role": "user", "content": text}]` through the tokenizer's `chat_template`
+    with the assistant's generation prompt. An unencodable prompt is an EngineError naming
+    its `source` ("task arith", "eval_task held.jsonl").
 
+    >>> encode_prompt(CharTokenizer("0123456789+="), "1+2=", "task arith")
+    [1, 4, 13, 5, 14]
+    """
+    require_chat_template(tokenizer, prompt_format)
     try:
-        ids = tokenizer.encode(text)
+        if prompt_format == "chat":
+            system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+            return tokenizer.encode_chat([*system, {"role": "user", "content": text}])
+        return tokenizer.encode_prompt(text)
     except ValueError as exc:
-        raise EngineError(f"task {task}: prompt {text[:40]!r}: {exc}") from None
-    bos = tokenizer.bos_token_id
-    return ids if bos is None else [bos, *ids]
+        raise EngineError(f"{source}: prompt {text[:40]!r}: {exc}") from None
+
+
+def require_chat_template(
+    tokenizer: CharTokenizer | HFTokenizerAdapter, prompt_format: str
+) -> None:
+    """`prompt_format = "chat"` needs a tokenizer with a `chat_template` (an EngineError)."""
+    if prompt_format == "chat" and not tokenizer.chat_template:
+        raise EngineError("prompt_format chat: the tokenizer has no chat_template")

@@ -25,14 +25,17 @@ from grpod.engine.faults import Faults
 from grpod.engine.flat import flatten_parameters
 from grpod.engine.fused import unsupported as decoder_unsupported
 from grpod.engine.layout import micro_layout, run_trunk, trunk_passes
+from grpod.engine.lora import apply_lora, reference_mode
 from grpod.engine.loss import LossSettings, policy_token_loss, token_logprobs_entropy
 from grpod.engine.model import load_policy, resolve_device
 from grpod.engine.packing import Sample, pack
+from grpod.engine.prompts import cut_at_stop_strings, stop_token_ids, strip_stop_strings
 from grpod.engine.report import StepReport
+from grpod.engine.rewards import RewardSet
 from grpod.engine.rollout import Rollout, sample
 from grpod.engine.stats import StepStats
 from grpod.engine.tasks import build_task
-from grpod.engine.tokenizer import encode_prompt
+from grpod.engine.tokenizer import encode_prompt, require_chat_template
 
 PHASES = ("rollout", "score", "grad", "optim")  # the engine's phases, in step order
 
@@ -98,11 +101,20 @@ class Engine:
                 f"model {config.model}: rollout_kv_cache {self.kv_cache.policy!r} needs the "
                 f"fused decoder, which does not cover it ({decoder_unsupported(self.model)})"
             )
+        # LoRA: adapters injected in place, base frozen; `adapters` is the PEFT handle
+        self.adapters = (
+            apply_lora(self.model, config.lora, config.seed) if config.lora.rank else None
+        )
         self.model.to(self.device)
+        require_chat_template(self.tokenizer, config.prompt_format)
+        self.rewards = RewardSet(self.task, config.rewards, config.reward_weights)
+        self.stop_token_ids = stop_token_ids(self.tokenizer, self.model)
         # one storage for every parameter: the guards' weights check is then one reduction
         self.flat_weights = flatten_parameters(self.model)
-        self.reference = (
-            copy.deepcopy(self.model).requires_grad_(False) if config.kl_beta > 0 else None
+        self.reference = (  # with LoRA the reference is the base: the adapters disabled
+            copy.deepcopy(self.model).requires_grad_(False)
+            if config.kl_beta > 0 and self.adapters is None
+            else None
         )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -158,20 +170,13 @@ class Engine:
             return replace(cached, step=step)  # same samples, same old logprobs: epoch > 1
         with self._timed("rollout"):
             prompts = self.task.prompts_for_step(generation, cfg.prompts_per_step, cfg.seed)
-            prompt_ids = [self._encode_prompt(p.text) for p in prompts]
-            out = self._sample(
+            prompt_ids = [self.encode_prompt(p.text) for p in prompts]
+            out, completions, texts = self.generate(
                 [ids for ids in prompt_ids for _ in range(cfg.group_size)],
                 step_seed(cfg.seed, generation),
             )
             lengths = out.mask.sum(-1).tolist()
-            completions = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
-            rewards = torch.tensor(
-                [
-                    self.task.score(prompts[i // cfg.group_size], self.tokenizer.decode(ids), i)
-                    for i, ids in enumerate(completions)
-                ],
-                dtype=torch.float32,
-            )
+            rewards, function_rewards = self.rewards.score(prompts, texts, cfg.group_size)
             rewards = faults.rewards(step, rewards, cfg.group_size)
             advantages, _ = group_advantages(
                 rewards, cfg.group_size, cfg.scale_rewards, cfg.advantage_std
@@ -205,6 +210,8 @@ class Engine:
             )
             # the rollout's bounded cache travels with the batch: the trainer masks by it
             batch = replace(batch, kv_cache=self.kv_cache, kv_cache_stats=out.cache_stats)
+            if function_rewards:
+                batch = replace(batch, function_rewards=function_rewards)
         if cfg.epochs > 1:  # one scoring pass per generation, reused by every epoch
             with self._timed("score"):
                 batch = replace(batch, old_logprobs=self.score(batch))
@@ -219,10 +226,8 @@ class Engine:
             raise EngineError(
                 f"batch step {batch.step}: tis_cap is on but the batch has no sampler logprobs"
             )
-        reference = None
-        if self.reference is not None:  # kl_beta > 0: the frozen reference's logprobs
-            with self._timed("score"):
-                reference = self.score(batch, self.reference)
+        with self._timed("score"):
+            reference = self._reference_logprobs(batch)  # kl_beta > 0
         with self._timed("grad"):
             stats = StepStats()
             self.counter.start_step()
@@ -365,6 +370,15 @@ class Engine:
             entropy=entropy,
         )
 
+    def _reference_logprobs(self, batch: TransportBatch) -> torch.Tensor | None:
+        """The KL reference's logprobs: the frozen copy, or the base with adapters off."""
+        if self.config.kl_beta == 0:
+            return None
+        if self.adapters is not None:
+            with reference_mode(self.adapters):
+                return self.score(batch)
+        return self.score(batch, self.reference)
+
     def _gather(self, tensor: torch.Tensor, micro: int, index: torch.Tensor) -> torch.Tensor:
         """Host tensor `[micros, rows, seq]` -> the micro's values at flat `index`, on device."""
         return tensor[micro].reshape(-1)[index].to(self.device, non_blocking=True)
@@ -393,14 +407,29 @@ class Engine:
             out[micro].view(-1)[index] = logprobs.cpu()
         return out
 
-    def _sample(self, prompts: list[list[int]], seed: int) -> Rollout:
+    def generate(
+        self, prompts: list[list[int]], seed: int, temperature: float | None = None
+    ) -> tuple[Rollout, list[list[int]], list[str]]:
+        """Sample one completion per prompt: the rollout (ended at a stop token or string),
+        each completion's ids and the text its rewards see (before any stop string)."""
+        out = cut_at_stop_strings(
+            self._sample(prompts, seed, temperature), self.tokenizer, self.config.stop
+        )
+        lengths = out.mask.sum(-1).tolist()
+        completions = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
+        texts = [
+            strip_stop_strings(self.tokenizer.decode(ids), self.config.stop) for ids in completions
+        ]
+        return out, completions, texts
+
+    def _sample(self, prompts: list[list[int]], seed: int, temperature: float | None) -> Rollout:
         """Completions from the configured backend: the torch sampler, or vLLM on GPU nodes."""
         cfg = self.config
         settings = dict(
             max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
+            temperature=cfg.temperature if temperature is None else temperature,
             top_p=cfg.top_p,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=self.stop_token_ids,
             pad_token_id=self.tokenizer.pad_token_id,
         )
         if cfg.rollout_backend == "vllm":
@@ -421,8 +450,12 @@ class Engine:
             **settings,
         )
 
-    def _encode_prompt(self, text: str) -> list[int]:
-        return encode_prompt(self.tokenizer, text, self.task.name)  # as preflight checks it
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids as fed to the policy (`prompt_format`), as preflight checks them."""
+        cfg = self.config
+        return encode_prompt(
+            self.tokenizer, text, f"task {self.task.name}", cfg.prompt_format, cfg.system_prompt
+        )
 
     def take_phase_seconds(self) -> dict[str, float]:
         """Wall-clock seconds of the phases run since the last take: rollout, score, grad,
@@ -463,18 +496,23 @@ class Engine:
         if self._pending is not None:
             raise EngineError(f"step {self._pending.step} is still pending (apply or flush it)")
         return {
-            "model": {name: p.detach() for name, p in self.model.named_parameters()},
+            "model": {name: p.detach() for name, p in self.trained_parameters()},
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "cursor": self.cursor.state_dict(),
         }
+
+    def trained_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """What a checkpoint holds of the model: every trainable parameter (all of them, or
+        with LoRA only the adapters: the frozen base is the model directory's)."""
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`; a state that does not fit this engine is an EngineError."""
         missing = sorted({"model", "optimizer", "scheduler", "cursor"} - set(state))
         if missing:
             raise EngineError(f"engine state: missing {', '.join(missing)}")
-        params = dict(self.model.named_parameters())
+        params = dict(self.trained_parameters())
         weights = state["model"]
         if set(weights) != set(params):
             raise EngineError("weights do not match the model's parameters")

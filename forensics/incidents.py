@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +50,37 @@ def show_incident(
 
 
 def export_incident(
-    run_dir: str | os.PathLike, incident_id: int, out_dir: str | os.PathLike, store_url: str = ""
+    run_dir: str | os.PathLike,
+    incident_id: int,
+    out_dir: str | os.PathLike,
+    store_url: str = "",
+    decode: Callable[[TransportBatch, dict[str, Any]], list[dict[str, Any]]] | None = None,
 ) -> Path:
-    """Write `out_dir/batch.safetensors` and `out_dir/incident.json` (report, findings, config).
+    """Write `out_dir/batch.safetensors` and `out_dir/incident.json` (report, findings, config),
+    and with `decode(batch, run config)` `out_dir/samples.jsonl` (each sample's decoded prompt
+    and completion, one JSON object a line).
 
     `out_dir` must not exist yet; it appears complete or not at all.
     """
     out = Path(out_dir)
     if out.exists():
         raise ForensicsError(f"export {out}: already exists; choose a new directory")
+    detail, config, batch = incident_batch(run_dir, incident_id, store_url)
+    with atomic_dir(out) as tmp:
+        batch.save(tmp / "batch.safetensors")
+        (tmp / "incident.json").write_text(
+            json.dumps({**detail, "config": config}, indent=2) + "\n"
+        )
+        if decode is not None:
+            lines = [json.dumps(sample, ensure_ascii=False) for sample in decode(batch, config)]
+            (tmp / "samples.jsonl").write_text("".join(line + "\n" for line in lines))
+    return out
+
+
+def incident_batch(
+    run_dir: str | os.PathLike, incident_id: int, store_url: str = ""
+) -> tuple[dict[str, Any], dict[str, Any], TransportBatch]:
+    """The incident (as `show_incident`), its run's config and its step's batch."""
     detail = show_incident(run_dir, incident_id, store_url)
     store = Store(run_dir, store_url, create=False)
     digest = detail["batch_digest"]
@@ -75,12 +98,7 @@ def export_incident(
         batch = TransportBatch.from_tensors(tensors, metadata, source=digest)
     except EngineError as exc:
         raise ForensicsError(str(exc)) from None
-    with atomic_dir(out) as tmp:
-        batch.save(tmp / "batch.safetensors")
-        (tmp / "incident.json").write_text(
-            json.dumps({**detail, "config": config}, indent=2) + "\n"
-        )
-    return out
+    return detail, config, batch
 
 
 def _summary(session: Any, incident: Incident) -> dict[str, Any]:

@@ -140,3 +140,20 @@ class Incident(Base):
     worst_checkpoint_id: Mapped[int | None] = mapped_column(Integer)  # checkpoints.id, pinned
     status: Mapped[str] = mapped_column(String(8), server_default="closed")  # open | closed
     closed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Eval(Base):
+    """One held-out evaluation (`[engine] eval_task`) of the policy after `step` steps."""
+
+    __tablename__ = "evals"
+    __table_args__ = (Index("ix_evals_run_step", "run_id", "step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)  # the engine cursor: steps taken before it
+    samples: Mapped[int] = mapped_column(Integer)
+    temperature: Mapped[float] = mapped_column(Float)  # 0 = greedy
+    rewards_json: Mapped[str] = mapped_column(Text)  # {"total": mean, "mod:f": mean, ...}
+    completion_length_mean: Mapped[float] = mapped_column(Float)
+    seconds: Mapped[float] = mapped_column(Float)
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -36,9 +36,9 @@ from grpod.forensics.blobs import BlobStore, StagedBlob
 from grpod.forensics.config import ForensicsConfig, action_rank
 from grpod.forensics.episodes import Episode, EpisodeTracker, Observation, write_episode
 from grpod.forensics.errors import ForensicsError
-from grpod.forensics.models import Blob, Checkpoint, Run, Step
+from grpod.forensics.models import Blob, Checkpoint, Eval, Run, Step
 from grpod.forensics.store import Store
-from grpod.jsonsafe import from_json
+from grpod.jsonsafe import from_json, to_json
 
 WRITER_NICE = 10  # the writer thread's niceness (a lower priority than the trainer's)
 HOLD_BYTES = 64 * 1024**2  # batch bytes a commit group may hold in memory before staging them
@@ -62,6 +62,11 @@ class _StepItem:
 class _CheckpointItem:
     step: int
     path: str
+
+
+@dataclass
+class _EvalItem:
+    row: dict[str, Any]  # the evals row without run_id
 
 
 @dataclass
@@ -183,6 +188,16 @@ class FlightRecorder:
             raise ForensicsError("flight recorder: note_checkpoint() before start_run()")
         self._put(_CheckpointItem(step, self.store.relative(path)))
 
+    def note_eval(self, result: dict[str, Any]) -> None:
+        """A held-out evaluation: {step, samples, temperature, rewards, completion_length_mean,
+        seconds}; committed in its own transaction after the steps before it."""
+        self._raise_failure()
+        if self.run_id is None:
+            raise ForensicsError("flight recorder: note_eval() before start_run()")
+        row = {k: v for k, v in result.items() if k != "rewards"}
+        row["rewards_json"] = json.dumps(to_json(result["rewards"]), sort_keys=True)
+        self._put(_EvalItem(row))
+
     def drain(self) -> None:
         """Wait until everything queued so far is committed (blobs fsynced, rows committed)."""
         if self._thread.is_alive():
@@ -276,6 +291,10 @@ class FlightRecorder:
                         created_at=_now(),
                     )
                 )
+        elif isinstance(item, _EvalItem):
+            self._commit()
+            with self.store.session() as session:
+                session.add(Eval(run_id=self.run_id, recorded_at=_now(), **item.row))
         else:
             self._hold(item)
 

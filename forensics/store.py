@@ -8,6 +8,7 @@ the runs of one run directory are told apart by `runs.run_dir`.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from grpod.forensics.config import run_dir_config
 from grpod.forensics.errors import ForensicsError
-from grpod.forensics.models import Checkpoint, Incident, Run, Step
+from grpod.forensics.models import Checkpoint, Eval, Incident, Run, Step
 
 SQLITE_NAME = "grpod.sqlite"
 ALEMBIC_INI = Path(__file__).with_name("alembic.ini")
@@ -47,6 +48,12 @@ class StepPoint:
     reward_std: float | None
     grad_norm: float | None
     entropy: float | None = None  # nats (schema 0003)
+
+
+@dataclass(frozen=True)
+class EvalTotal:
+    step: int  # the engine cursor when evaluated
+    total: float  # the weighted mean reward (NaN: not finite)
 
 
 @dataclass(frozen=True)
@@ -309,6 +316,11 @@ class Store:
         if row is not None and session.scalar(others) is None and own.checkpoint_id != row.id:
             row.pinned = False
 
+    def evals(self, session: Session) -> list[Eval]:
+        """Held-out evaluations of this run directory, by step (a re-run's evaluation last)."""
+        query = select(Eval).where(Eval.run_id.in_(self.run_ids(session)))
+        return list(session.scalars(query.order_by(Eval.step, Eval.id)))
+
     def checkpoints(self, session: Session, *, include_deleted: bool = False) -> list[Checkpoint]:
         query = select(Checkpoint).where(Checkpoint.run_id.in_(self.run_ids(session)))
         if not include_deleted:
@@ -377,6 +389,14 @@ class Store:
             ).all()
         last = {row.step: StepPoint(*row) for row in rows}
         return [last[step] for step in sorted(last)]
+
+    def eval_totals(self) -> list[EvalTotal]:
+        """Each held-out evaluation's step and weighted total reward, by step."""
+        with self.session() as session:
+            return [
+                EvalTotal(e.step, float(json.loads(e.rewards_json)["total"]))
+                for e in self.evals(session)
+            ]
 
     def incident_marks(self) -> list[IncidentMark]:
         """Every incident of the run directory, oldest first."""

@@ -1,5 +1,5 @@
 """Subcommand modules; each has `register(subparsers)` and sets `handler` on its parsers."""
 
-from grpod.daemon.commands import config, drill, forensics, plot, run, status
+from grpod.daemon.commands import config, drill, export, forensics, plot, run, status
 
-COMMAND_MODULES = [run, forensics, config, status, plot, drill]
+COMMAND_MODULES = [run, forensics, config, status, plot, drill, export]

@@ -41,6 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     show = inc_sub.add_parser("show", parents=[common], help="one incident in full")
     show.add_argument("id", type=int, metavar="ID")
     show.add_argument("--json", action="store_true")
+    show.add_argument(
+        "--samples",
+        type=int,
+        metavar="N",
+        help="decoded completions to print (default: the run's [daemon] log_samples)",
+    )
     show.set_defaults(handler=_incidents_show)
     export = inc_sub.add_parser("export", parents=[common], help="batch + JSON to a new dir")
     export.add_argument("id", type=int, metavar="ID")
@@ -141,10 +147,15 @@ def _incidents_list(args: argparse.Namespace) -> int:
 
 
 def _incidents_show(args: argparse.Namespace) -> int:
-    from grpod.forensics import show_incident
+    from grpod.forensics.incidents import incident_batch
 
-    detail = show_incident(args.run_dir, args.id, args.store_url)
+    detail, config, batch = incident_batch(args.run_dir, args.id, args.store_url)
+    count = args.samples
+    if count is None:
+        count = int(config.get("daemon", {}).get("log_samples", 0))
+    samples, note = _decoded(config, batch, count) if count > 0 else ([], "")
     if args.json:
+        detail = {**detail, "samples": samples}
         print(json.dumps(detail))
         return 0
     print(
@@ -163,14 +174,47 @@ def _incidents_show(args: argparse.Namespace) -> int:
     for name in ("loss", "valid_tokens", "expected_valid_tokens", "grad_norm", "reward_mean"):
         print(f"  {name:<22} {report.get(name)}")
     print(f"  batch blob {detail['batch_digest']}")
+    for sample in samples:
+        parts = " ".join(f"{k}={v:g}" for k, v in sample["rewards"].items())
+        print(
+            f"  sample {sample['sample']} (group {sample['group']}) reward {sample['reward']:g}"
+            + (f" ({parts})" if parts else "")
+        )
+        print(f"    prompt:     {sample['prompt']!r}")
+        print(f"    completion: {sample['completion']!r}")
+    if note:
+        print(f"  note: {note}")
     return 0
+
+
+def _decoded(config: dict[str, Any], batch: Any, limit: int | None) -> tuple[list, str]:
+    """A batch's first `limit` samples as text with the run's tokenizer, or ([], why not): a
+    tokenizer that is gone must not hide the incident itself."""
+    from grpod.engine import EngineConfig, EngineError
+    from grpod.engine.samples import decode_samples, run_tokenizer
+
+    try:
+        engine = EngineConfig.model_validate(config.get("engine", {}))
+        tokenizer = run_tokenizer(engine)
+    except (EngineError, ValueError) as exc:
+        return [], f"samples not decoded: {str(exc).splitlines()[0]}"
+    return decode_samples(batch, tokenizer, engine.stop, limit), ""
 
 
 def _incidents_export(args: argparse.Namespace) -> int:
     from grpod.forensics import export_incident
 
-    out = export_incident(args.run_dir, args.id, args.out_dir, args.store_url)
+    notes: list[str] = []
+
+    def decode(batch: Any, config: dict[str, Any]) -> list[dict[str, Any]]:
+        samples, note = _decoded(config, batch, None)
+        notes.append(note)
+        return samples
+
+    out = export_incident(args.run_dir, args.id, args.out_dir, args.store_url, decode=decode)
     print(f"incident {args.id}: exported to {out}")
+    for note in filter(None, notes):
+        print(f"note: {note}")
     return 0
 
 

@@ -4,7 +4,7 @@ For a run without Prometheus and Grafana (a laptop, a bug report, the README). R
 recorded step of the run directory (the last record of each step when a step was re-run)
 and its incidents; writes, into `--out`:
 
-- `learning.png`: reward mean ± std and loss per step;
+- `learning.png`: reward mean ± std (and the held-out eval reward) and loss per step;
 - `outcomes.png`: each step's outcome (applied / flushed / skipped) with incidents marked;
 - `accounting.png`: valid tokens, engine counter vs host-side loss-mask sum, per step;
 - `gradnorm.png`: pre-clip grad norm against 1/valid tokens (the reversed-chunk signature),
@@ -61,6 +61,7 @@ class RunSeries:
     correlation: CorrelationConfig | None = None  # the run's guard section (None: defaults)
     # (guard, first step, last step) of each incident's episode
     episodes: list[tuple[str, int, int]] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, total eval reward)
 
 
 def load_series(run_dir: str | Path, store_url: str = "") -> RunSeries:
@@ -81,12 +82,16 @@ def load_series(run_dir: str | Path, store_url: str = "") -> RunSeries:
         episodes = [
             (i.guard, i.step, i.step if i.last_step is None else i.last_step) for i in marks
         ]
+        evals = {e.step: e.total for e in store.eval_totals()}
     finally:
         store.close()
     if not points:
         raise ForensicsError(f"run dir {store.run_dir}: no recorded steps to plot")
     series = RunSeries(
-        incidents=incidents, correlation=_correlation_config(run_dir), episodes=episodes
+        incidents=incidents,
+        correlation=_correlation_config(run_dir),
+        episodes=episodes,
+        evals=[(k, _num(v)) for k, v in sorted(evals.items())],
     )
     for row in points:
         series.steps.append(row.step)
@@ -142,6 +147,9 @@ def draw_learning(series: RunSeries, reward_ax: Any, loss_ax: Any) -> None:
         lw=0,
         label="± std",
     )
+    if series.evals:
+        steps, values = zip(*series.evals)
+        reward_ax.plot(steps, values, "D-", color="#9467bd", ms=4, lw=1, label="eval (held-out)")
     reward_ax.set_ylabel("reward")
     reward_ax.legend(loc="best", fontsize=8)
     loss_ax.plot(series.steps, series.loss, color="#d62728", lw=1.2, label="loss")

@@ -22,12 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from grpod.daemon.errors import ConfigError
-    from grpod.daemon.rundir import RunDir
+    from grpod.daemon.rundir import existing_run_dir
 
-    run = RunDir(args.run_dir)
-    if not run.is_run():
-        raise ConfigError(f"run dir {run.path}: not a grpod run directory")
+    run = existing_run_dir(args.run_dir)
     live = run.read_status() or {}
     if live.get("state") in ("starting", "running", "stopping") and not _alive(live.get("pid")):
         live["state"] = "dead (no process; resume with grpod run --run-dir)"

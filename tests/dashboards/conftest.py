@@ -25,12 +25,20 @@ from tests.dashboards.helpers import ROOT
 
 MAX_STEPS = 6
 FAULT_STEP = 3
+EVAL_EVERY = 2
+# copy's own reward (weight 1: the rewards are the task's) and a second one shown beside it
+REWARDS = ("grpod.engine.tasks:first_token_reward", "tests.guards.rewards:digit_first")
 TINY_CONFIG = f"""
 [engine]
 task = "copy"
 prompts_per_step = 4
 group_size = 4
 threads = 1
+rewards = ["{REWARDS[0]}", "{REWARDS[1]}"]
+reward_weights = [1.0, 0.0]
+eval_task = "arith"
+eval_every = {EVAL_EVERY}
+eval_samples = 4
 
 [engine.faults]
 nan_loss_steps = [{FAULT_STEP}]

@@ -62,6 +62,10 @@ CONTRACT: dict[str, str] = {
     "grpod_kv_cache_fill_ratio": "gauge",
     "grpod_kv_cache_slots": "gauge",
     "grpod_kv_cache_protected_tokens": "gauge",
+    "grpod_reward_function_mean": "gauge",
+    "grpod_reward_function_std": "gauge",
+    "grpod_eval_reward": "gauge",
+    "grpod_eval_step": "gauge",
 }
 # Series Prometheus itself attaches to every target.
 SYNTHETIC = {"up"}

@@ -11,7 +11,7 @@ from grpod.daemon.cli import main
 from grpod.daemon.commands.plot import RunSeries, gradnorm_correlation, load_series
 from grpod.guards.config import CorrelationConfig
 from grpod.guards.correlation import GradNormVTCCorrelationGuard
-from tests.dashboards.conftest import MAX_STEPS, DaemonRun
+from tests.dashboards.conftest import EVAL_EVERY, MAX_STEPS, DaemonRun
 from tests.guards.helpers import batch, report
 
 PNGS = (
@@ -50,6 +50,7 @@ def test_plot_reads_every_step_and_the_incident(daemon_run: DaemonRun) -> None:
     series = load_series(daemon_run.run_dir)
     assert series.steps == list(range(MAX_STEPS))
     assert "flushed" in series.outcomes
+    assert [step for step, _ in series.evals] == list(range(EVAL_EVERY, MAX_STEPS + 1, EVAL_EVERY))
     assert series.incidents and all(s in series.steps for _, s, _ in series.incidents)
     computed = [(v, e) for v, e in zip(series.valid_tokens, series.expected_valid_tokens) if v == v]
     assert computed and all(v == e for v, e in computed)  # the real counter is right

@@ -3,12 +3,13 @@ dashboard and the alerts read, and every metric it exports has a panel."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
 import pytest
 
-from tests.dashboards.conftest import FAULT_STEP, MAX_STEPS, DaemonRun
+from tests.dashboards.conftest import EVAL_EVERY, FAULT_STEP, MAX_STEPS, REWARDS, DaemonRun
 from tests.dashboards.helpers import (
     CONTRACT,
     SYNTHETIC,
@@ -96,3 +97,31 @@ def test_every_exported_metric_has_a_panel(daemon_run: DaemonRun) -> None:
         if n.startswith("grpod_") and not n.endswith("_created")
     }
     assert exported - shown == set(), "exported metrics without a panel"
+
+
+def test_reward_functions_and_eval_match_the_store(daemon_run: DaemonRun) -> None:
+    """Each configured reward's gauges are the last step's report; the eval gauges are the
+    store's last evaluation (steps EVAL_EVERY, 2 * EVAL_EVERY, ...)."""
+    from grpod.forensics import Store
+
+    store = Store(daemon_run.run_dir, create=False)
+    try:
+        with store.session() as session:
+            report = json.loads(store.latest_step(session, MAX_STEPS - 1).report_json)
+            evals = [(e.step, json.loads(e.rewards_json)) for e in store.evals(session)]
+    finally:
+        store.close()
+    assert sorted(report["reward_functions"]) == sorted(REWARDS)
+    for name in REWARDS:
+        for stat in ("mean", "std"):
+            sample = f'grpod_reward_function_{stat}{{reward="{name}"}}'
+            assert _value(daemon_run.scrape, sample) == report["reward_functions"][name][stat]
+    copy = report["reward_functions"][REWARDS[0]]["mean"]  # weights [1, 0]: the total is copy's
+    assert report["reward_mean"] == pytest.approx(copy, abs=1e-6)
+    assert [step for step, _ in evals] == list(range(EVAL_EVERY, MAX_STEPS + 1, EVAL_EVERY))
+    last_step, last = evals[-1]
+    assert _value(daemon_run.scrape, "grpod_eval_step") == last_step
+    assert set(last) == {"total", *REWARDS}
+    for name, value in last.items():
+        assert _value(daemon_run.scrape, f'grpod_eval_reward{{reward="{name}"}}') == value
+    assert last["total"] == last[REWARDS[0]]

@@ -12,13 +12,17 @@ from tests.engine.helpers import config
 
 
 def _save_local_model(where: Path) -> None:
-    """The tiny Qwen2 and a character-level fast tokenizer, saved as a user would have them."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """The tiny Qwen2 and a character-level fast tokenizer that adds its BOS (as Llama's
+    does), saved as a user would have them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate([*SPECIALS, *ARITH_CHARS])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", SPECIALS.index("<bos>"))]
+    )
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
     )

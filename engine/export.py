@@ -1,0 +1,66 @@
+"""A checkpoint's policy as a Hugging Face directory that `from_pretrained` loads.
+
+`export_pretrained(config, checkpoint, out)` writes `config.json`, `model.safetensors`,
+`generation_config.json` and the run's tokenizer (the model directory's own, or the built-in
+character tokenizer as a `tokenizers` WordLevel one) to `out`, built beside it and renamed
+into place, so `out` is complete or absent.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from grpod.engine.config import EngineConfig
+from grpod.engine.errors import EngineError
+from grpod.engine.lora import apply_lora
+from grpod.engine.model import load_policy
+from grpod.engine.tasks import task_chars
+
+
+def export_pretrained(
+    config: EngineConfig, checkpoint: Path, out: Path, adapter: bool = False
+) -> Path:
+    """Write the policy of `checkpoint` (a run's engine checkpoint dir) as an HF dir `out`:
+    with LoRA the adapters merged into the base weights, or (`adapter`) the PEFT adapter
+    directory alone (`adapter_config.json`, `adapter_model.safetensors`)."""
+    if adapter and not config.lora.rank:
+        raise EngineError("export --adapter: the run has no LoRA adapters ([engine.lora] rank 0)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise EngineError(f"export {out}: exists and is not an empty directory")
+    weights_file = checkpoint / "model.safetensors"
+    if not weights_file.is_file():
+        raise EngineError(f"checkpoint {checkpoint}: missing model.safetensors")
+    model, tokenizer = load_policy(config.model, task_chars(config.task), config.seq_len)
+    adapters = apply_lora(model, config.lora, config.seed) if config.lora.rank else None
+    try:
+        weights = load_file(str(weights_file))
+    except Exception as exc:  # safetensors raises bare errors on truncated files
+        raise EngineError(f"checkpoint {checkpoint}: unreadable model.safetensors: {exc}") from None
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(weights) != set(params):
+        raise EngineError(f"checkpoint {checkpoint}: weights do not match the run's model")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if adapters is not None and not adapter:
+        model = adapters.merge_and_unload()  # W + alpha / r * B A, adapters removed
+    try:
+        if adapter:
+            adapters.save_pretrained(tmp, safe_serialization=True)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.to_hf().save_pretrained(tmp)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise EngineError(f"export {out}: cannot write: {exc.strerror or exc}") from None
+    return out

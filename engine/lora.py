@@ -1,0 +1,57 @@
+"""LoRA adapters with PEFT (`[engine.lora]`, the `lora` extra).
+
+`apply_lora` injects adapters into the policy in place and freezes the base weights, so the
+engine keeps training a plain Hugging Face model whose only trainable parameters are the
+adapters (the optimizer, the checkpoint and the guards see just those). Adapters are FP32
+whatever `dtype` says (the trunk's bf16 autocast does not touch the parameters), which keeps
+their gradient accumulation exact. The KL reference is the same model with its adapters
+disabled (`reference_mode`), not a second copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from grpod.engine.config import LoraConfig
+from grpod.engine.errors import EngineError
+
+
+def apply_lora(model: torch.nn.Module, settings: LoraConfig, seed: int) -> Any:
+    """Inject adapters into `model` (in place); returns the PEFT handle (a `PeftModel`)."""
+    try:
+        import peft
+    except ImportError:
+        raise EngineError(
+            "engine.lora: peft is not installed (pip install 'grpod[lora]')"
+        ) from None
+    lora = peft.LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        bias="none",
+    )
+    try:
+        with torch.random.fork_rng(devices=[]):  # adapter init from the run's seed alone
+            torch.manual_seed(seed)
+            adapters = peft.get_peft_model(model, lora)
+    except ValueError as exc:
+        raise EngineError(f"engine.lora: {str(exc).splitlines()[0]}") from None
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()
+    model.grpod_adapters = True  # the fused decoder and trunk do not apply adapters
+    return adapters
+
+
+def has_adapters(model: torch.nn.Module) -> bool:
+    return bool(getattr(model, "grpod_adapters", False))
+
+
+def reference_mode(adapters: Any) -> contextlib.AbstractContextManager:
+    """The base model: the adapters disabled for the block (the KL reference)."""
+    return adapters.disable_adapter()
