@@ -17,12 +17,13 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 from torch.distributed.checkpoint.stateful import Stateful
 
-from grpod.daemon import logs
+from grpod.daemon import distributed, logs
 from grpod.daemon.config import GrpodConfig, load_config
 from grpod.daemon.errors import BAD_INPUT_ERRORS, ConfigError
 from grpod.daemon.exitcodes import EXIT_FAILURE, EXIT_HALT, EXIT_OK, exit_by_signal
@@ -33,8 +34,7 @@ from grpod.daemon.progress import Progress, wanted
 from grpod.daemon.retention import Retention
 from grpod.daemon.rundir import Plan, link_latest
 from grpod.daemon.signals import AbandonStep, Signals
-from grpod.engine import Engine
-from grpod.engine.checkpoint import load_checkpoint, save_checkpoint
+from grpod.engine import Engine, distcp
 from grpod.engine.eval import Evaluator
 from grpod.engine.samples import decode_samples
 from grpod.engine.step import decide_step
@@ -131,16 +131,20 @@ class Daemon:
         if cfg.engine.eval_every:
             self.evaluator = Evaluator(self.engine)
         self.policy = GuardPolicy(cfg.guards)
-        if not plan.resume:
-            plan.run_dir.create(plan.run_id, cfg)
-            if plan.link_latest is not None:
-                link_latest(plan.link_latest, plan.run_dir.path)
+        if self.rank == 0:  # under torchrun rank 0 owns the run dir and the store
+            if not plan.resume:
+                plan.run_dir.create(plan.run_id, cfg)
+                if plan.link_latest is not None:
+                    link_latest(plan.link_latest, plan.run_dir.path)
+            else:
+                for name in plan.run_dir.remove_stale_temporaries():
+                    self.log.warning("removed a half-written checkpoint", path=name)
+            self.recorder = FlightRecorder(plan.run_dir.path, cfg.forensics)
+            self.recorder.store.lock_run_dir()  # PostgreSQL: one writer per run dir across hosts
         else:
-            for name in plan.run_dir.remove_stale_temporaries():
-                self.log.warning("removed a half-written checkpoint", path=name)
-        self.recorder = FlightRecorder(plan.run_dir.path, cfg.forensics)
+            self.recorder = NoRecorder()
         self._retention = Retention(cfg.forensics)
-        self.recorder.store.lock_run_dir()  # PostgreSQL: one writer per run dir across hosts
+        distributed.barrier()
         restored = self._restore()
         if self.progress is not None:
             self.progress.start = self.engine.step
@@ -166,24 +170,34 @@ class Daemon:
 
     def _restore(self) -> int | None:
         """Restore the latest checkpoint the store noted; returns its step (None: fresh)."""
-        store = self.recorder.store
-        checkpoints = store.noted_checkpoints()
-        last = store.last_recorded_step()
-        self.last_recorded = -1 if last is None else last
-        for checkpoint in reversed(checkpoints):
-            path = checkpoint.path
-            if not path.is_dir():
-                self.log.warning("checkpoint missing", step=checkpoint.step, path=str(path))
-                continue
-            load_checkpoint(path, self._states())
+        path, self.last_recorded = distributed.agree(self._checkpoint_to_restore)
+        if path is not None:
+            extra = distcp.load(path, self._states(), self.engine.parallel)
+            if "restored" in extra:
+                self.log.info(
+                    "restored", kept=extra["restored"], saved_world=extra.get("saved_world_size")
+                )
             self.checkpointed_step = self.engine.step
             return self.engine.step
         return None
 
+    def _checkpoint_to_restore(self) -> tuple[Path | None, int]:
+        """(the latest checkpoint the store noted that exists, the highest recorded step)."""
+        store = self.recorder.store
+        last = store.last_recorded_step()
+        recorded = -1 if last is None else last
+        for checkpoint in reversed(store.noted_checkpoints()):
+            if checkpoint.path.is_dir():
+                return checkpoint.path, recorded
+            self.log.warning("checkpoint missing", step=checkpoint.step, path=str(checkpoint.path))
+        return None, recorded
+
     def _loop(self) -> int:
         max_steps = self.config.daemon.max_steps
         every = self.config.daemon.checkpoint_every
-        while not self.signals.stop_requested and not (max_steps and self.engine.step >= max_steps):
+        while not distributed.agree_stop(self.signals.stop_requested) and not (
+            max_steps and self.engine.step >= max_steps
+        ):
             if self.signals.take_reload():
                 self._reload_guards()
             with logs.step_context(self.engine.step):
@@ -216,10 +230,15 @@ class Daemon:
         report, verdict, outcome = result.report, result.verdict, result.outcome
         rerun = report.step <= self.last_recorded
         phases = dict(result.phase_seconds)
+        engine_phases = dict(phases)
         started = time.perf_counter()
-        self.recorder.record(result.batch, report, verdict, outcome, rerun=rerun)
+        step = distributed.gather_step(result)  # rank 0: every rank's batch and report
+        if step is not None:
+            self.recorder.record(*step, verdict, outcome, rerun=rerun)
         phases["record"] = time.perf_counter() - started
 
+        if step is not None:  # before grpod_step moves: a scrape never sees them a step behind
+            self.metrics.observe_ranks(step[1], engine_phases)
         self.metrics.observe_step(report, verdict, outcome, phases, policy.gradnorm_vtc_correlation)
         self.metrics.observe_recorder(
             self.recorder.queue_depth,
@@ -273,10 +292,15 @@ class Daemon:
         self.notifier.extend_timeout(self.config.daemon.checkpoint_timeout_seconds)
         self.notifier.status(f"checkpointing step {step}")
         started = time.perf_counter()
-        path = save_checkpoint(
-            self.run_dir.checkpoint_path(step), self._states(), extra={"run_id": self.plan.run_id}
+        path = distcp.save(  # under torchrun: collective, every rank its shards
+            self.run_dir.checkpoint_path(step),
+            self._states(),
+            self.engine.parallel,
+            extra={"run_id": self.plan.run_id},
         )
-        linked = self._retention.link_unchanged(path)  # before its row: a complete dir
+        linked = 0
+        if self.rank == 0:  # under torchrun rank 0 owns the run dir: retention is its own
+            linked = self._retention.link_unchanged(path)  # before its row: a complete dir
         self.recorder.note_checkpoint(step, path)  # queued after the steps before it
         seconds = time.perf_counter() - started
         self.checkpointed_step = step
@@ -284,7 +308,8 @@ class Daemon:
         self.log.info(
             "checkpoint", reason=reason, path=str(path), seconds=round(seconds, 6), linked=linked
         )
-        self._retention.apply(self.recorder, self.metrics, self.log)
+        if self.rank == 0:
+            self._retention.apply(self.recorder, self.metrics, self.log)
         self.notifier.watchdog()
         self.notifier.status(self._status_line())
 
@@ -296,6 +321,8 @@ class Daemon:
     def _evaluate(self) -> None:
         """Held-out evaluation of the policy as it stands (engine/eval.py): stored, published
         and logged; the policy, the data cursor and the next batch are untouched."""
+        if self.engine.parallel.sharded:  # the rollout copy is synced before each rollout
+            self.engine.parallel.sync_rollout_copy(self.engine.model, self.engine.rollout_model)
         result = self.evaluator.run()
         self.recorder.note_eval(result.to_dict())
         self.metrics.observe_eval(result.step, result.rewards)
@@ -415,6 +442,28 @@ class Daemon:
                 **extra,
             }
         )
+
+
+class NoRecorder:
+    """A rank other than 0 under torchrun: rank 0 records its steps (daemon/distributed.py)."""
+
+    queue_depth = blocked_total = incidents_total = uncommitted_steps = 0
+    incident_steps_total = open_incidents = 0
+
+    def note_eval(self, result: dict[str, Any]) -> None:
+        pass
+
+    def start_run(self, *args: Any) -> None:
+        pass
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def note_checkpoint(self, step: int, path: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _verdict_text(verdict: Verdict) -> str:

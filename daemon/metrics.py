@@ -149,6 +149,16 @@ class Metrics:
         )
         for kind in ("checkpoint", "batch"):
             self.pruned_total.labels(kind)
+        # under torchrun: the loss divisor, and each rank's own numbers (rank: < world size)
+        self.global_valid_tokens = gauge(
+            "global_valid_tokens", "The step's valid tokens over every rank (the loss divisor)"
+        )
+        self.rank_valid_tokens = gauge(
+            "rank_valid_tokens", "Each rank's step-accumulated valid-token count", ("rank",)
+        )
+        self.rank_phase_seconds = gauge(
+            "rank_phase_duration_seconds", "Each rank's last step, by phase", ("rank", "phase")
+        )
         self.halted = gauge("halted", "1 once a HALT verdict stopped the run", mode="max")
         self.verdict_action = gauge("verdict_action", "Last verdict: 0 PASS .. 3 HALT")
         self.build_info = gauge(
@@ -211,6 +221,18 @@ class Metrics:
         for name, value in rewards.items():
             self._child(self.eval_reward, name).set(_number(value))
         self.eval_step.set(step)
+
+    def observe_ranks(self, report: Any, phases: dict[str, float]) -> None:
+        """Each rank's numbers (`report.rank_reports`, gathered by rank 0; one process: its own,
+        with this process's engine `phases`)."""
+        total = report.global_valid_tokens
+        self.global_valid_tokens.set(_number(report.valid_tokens if total is None else total))
+        one = {"rank": report.rank, "valid_tokens": report.valid_tokens}  # one process: rank 0
+        for row in report.rank_reports or [{**one, "phase_seconds": phases}]:
+            rank = str(row["rank"])
+            self._child(self.rank_valid_tokens, rank).set(row["valid_tokens"])
+            for phase, seconds in row["phase_seconds"].items():
+                self._child(self.rank_phase_seconds, rank, phase).set(seconds)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, looked up once (labels() validates and locks per call)."""

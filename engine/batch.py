@@ -64,6 +64,11 @@ class TransportBatch:
     kv_cache_stats: CacheStats | None = None  # that cache after the prefill
     # `[engine] rewards`: each function's value per sample (the rewards are their weighted sum)
     function_rewards: dict[str, list[float]] = field(default_factory=dict)
+    # under torchrun (engine/parallel.py): whose batch, or the step's global batch (`concat`)
+    rank: int = 0
+    world_size: int = 1
+    rank_micros: tuple[int, ...] = ()  # a global batch: each rank's micros, in rank order
+    rank_samples: tuple[int, ...] = ()  # a global batch: each rank's samples
 
     @property
     def num_micros(self) -> int:
@@ -114,6 +119,64 @@ class TransportBatch:
         previous = self.micro_order or list(range(self.num_micros))
         return replace(self, **moved, micro_order=[previous[i] for i in order])
 
+    @classmethod
+    def concat(cls, batches: list[TransportBatch]) -> TransportBatch:
+        """One batch of every micro of `batches` in order (e.g. each rank's batch of a step:
+        the global batch one process would run). Sample ids are renumbered to stay distinct;
+        the first batch's step, digest and chunks are kept, the injected faults of any."""
+        first, offset, shifted = batches[0], 0, []
+        for b in batches:
+            if (b.seq_len, b.input_ids.shape[1]) != (first.seq_len, first.input_ids.shape[1]):
+                raise EngineError(f"batch step {b.step}: micro shape differs from the first's")
+            shifted.append(torch.where(b.sample_ids >= 0, b.sample_ids + offset, b.sample_ids))
+            offset += b.num_samples
+        joined = {
+            name: torch.cat([getattr(b, name) for b in batches])
+            for name in (*TOKEN_FIELDS, *SAMPLE_FIELDS)
+            if getattr(first, name) is not None
+        }
+        joined["sample_ids"] = torch.cat(shifted)
+        return replace(
+            first,
+            **joined,
+            micro_order=_joined_order(batches),
+            injected_faults=tuple(sorted({f for b in batches for f in b.injected_faults})),
+            rank_micros=tuple(b.num_micros for b in batches),
+            rank_samples=tuple(b.num_samples for b in batches),
+            kv_cache_stats=_joined_cache_stats(batches),
+            function_rewards={
+                name: [v for b in batches for v in b.function_rewards[name]]
+                for name in first.function_rewards
+            },
+        )
+
+    def part(self, rank: int) -> TransportBatch:
+        """Rank `rank`'s own batch of a recorded global batch (`concat` of every rank's, with
+        `rank_micros` and `rank_samples`)."""
+        micros, samples = self.rank_micros, self.rank_samples
+        if not micros or not samples or not 0 <= rank < len(micros):
+            raise EngineError(f"batch step {self.step}: holds no rank {rank} (not distributed)")
+        m0, s0 = sum(micros[:rank]), sum(samples[:rank])
+        m, n = slice(m0, m0 + micros[rank]), slice(s0, s0 + samples[rank])
+        token = {
+            name: getattr(self, name)[m] for name in TOKEN_FIELDS if getattr(self, name) is not None
+        }
+        ids = token["sample_ids"]
+        token["sample_ids"] = torch.where(ids >= 0, ids - s0, ids)
+        per_sample = {name: getattr(self, name)[n] for name in SAMPLE_FIELDS}
+        order = None if self.micro_order is None else [i - m0 for i in self.micro_order[m]]
+        return replace(
+            self,
+            **token,
+            **per_sample,
+            # the cache stats stay the global batch's: a rank's own are not recorded apart
+            function_rewards={k: v[n] for k, v in self.function_rewards.items()},
+            rank=rank,
+            micro_order=order,
+            rank_micros=(),
+            rank_samples=(),
+        )
+
     def tensors(self) -> dict[str, torch.Tensor]:
         names = [*TOKEN_FIELDS, *SAMPLE_FIELDS]
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
@@ -133,12 +196,24 @@ class TransportBatch:
                 if self.function_rewards
                 else {}
             ),
+            **self._rank_metadata(),
         }
         if self.kv_cache is not None:  # absent for a dense rollout: its digest is unchanged
             metadata["kv_cache"] = self.kv_cache.to_json()
         if self.kv_cache_stats is not None:
             metadata["kv_cache_stats"] = self.kv_cache_stats.to_json()
         return metadata
+
+    def _rank_metadata(self) -> dict[str, str]:
+        """Distributed provenance; a one-process batch writes none (its digest is unchanged)."""
+        if self.world_size == 1 and not self.rank_micros:
+            return {}
+        return {
+            "rank": str(self.rank),
+            "world_size": str(self.world_size),
+            "rank_micros": json.dumps(list(self.rank_micros)),
+            "rank_samples": json.dumps(list(self.rank_samples)),
+        }
 
     def save(self, path: str | os.PathLike) -> None:
         """Write to safetensors atomically (temp file, fsync, rename)."""
@@ -221,6 +296,7 @@ def _provenance(metadata: dict[str, str]) -> dict[str, Any]:
             "injected_faults": tuple(meta.get("injected", ())),
             "micro_order": None if order is None else [int(i) for i in order],
             "function_rewards": dict(meta.get("rewards", {})),
+            **_ranks(meta),
         }
     faults, order = metadata.get("injected_faults", ""), metadata.get("micro_order", "")
     kv_cache, kv_stats = metadata.get("kv_cache"), metadata.get("kv_cache_stats")
@@ -231,4 +307,40 @@ def _provenance(metadata: dict[str, str]) -> dict[str, Any]:
         "kv_cache": KVCacheSpec.from_json(kv_cache) if kv_cache else None,
         "kv_cache_stats": CacheStats.from_json(kv_stats) if kv_stats else None,
         "function_rewards": json.loads(metadata.get("function_rewards", "{}")),
+        **_ranks({k: json.loads(v) for k, v in metadata.items() if k in RANK_KEYS}),
+    }
+
+
+def _joined_order(batches: list[TransportBatch]) -> list[int] | None:
+    """The micro order of `concat(batches)`: each rank's, offset by the micros before it."""
+    if all(b.micro_order is None for b in batches):
+        return None
+    order, offset = [], 0
+    for b in batches:
+        order += [offset + i for i in (b.micro_order or range(b.num_micros))]
+        offset += b.num_micros
+    return order
+
+
+def _joined_cache_stats(batches: list[TransportBatch]) -> CacheStats | None:
+    """Every rank's cache stats as one: evictions summed, fill averaged over samples."""
+    stats = [(b.kv_cache_stats, b.num_samples) for b in batches if b.kv_cache_stats is not None]
+    if not stats:
+        return None
+    samples = sum(n for _, n in stats)
+    return CacheStats(
+        prompt_tokens_evicted=sum(s.prompt_tokens_evicted for s, _ in stats),
+        fill=sum(s.fill * n for s, n in stats) / samples,
+    )
+
+
+RANK_KEYS = ("rank", "world_size", "rank_micros", "rank_samples")
+
+
+def _ranks(meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "rank": int(meta.get("rank", 0)),
+        "world_size": int(meta.get("world_size", 1)),
+        "rank_micros": tuple(int(i) for i in meta.get("rank_micros", ())),
+        "rank_samples": tuple(int(i) for i in meta.get("rank_samples", ())),
     }

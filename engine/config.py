@@ -34,6 +34,10 @@ class FaultsConfig(BaseModel):
     loss_spike_steps: list[int] = Field(
         default_factory=list, description="advantages scaled by 1000"
     )
+    ranks: list[int] = Field(
+        default_factory=list,
+        description="under torchrun: the ranks the faults fire on; empty = every rank",
+    )
 
     @property
     def on(self) -> bool:
@@ -160,6 +164,10 @@ class EngineConfig(BaseModel):
     adam_betas: tuple[float, float] = Field((0.9, 0.999), strict=False)  # TOML has no tuples
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
+    # scale-out (engine/parallel.py)
+    parallel: Literal["auto", "fsdp2", "none"] = Field(
+        "auto", description="auto = fsdp2 under torchrun (WORLD_SIZE > 1), else none"
+    )
     # reproducibility and threads
     seed: int = 0
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = leave as is")

@@ -12,6 +12,7 @@ import warnings
 import torch
 
 from grpod.engine.config import FaultsConfig
+from grpod.engine.parallel import local
 
 SENTINEL_LOGPROB = -9999.0  # what some backends write for a missing sampler logprob
 LOSS_SPIKE_SCALE = 1000.0
@@ -20,26 +21,29 @@ LOSS_SPIKE_SCALE = 1000.0
 class Faults:
     """The hooks of one engine, from its `[engine.faults]` section."""
 
-    def __init__(self, config: FaultsConfig) -> None:
+    def __init__(self, config: FaultsConfig, rank: int = 0) -> None:
         self.config = config
-        if config.on:
+        # under torchrun `ranks` picks where they fire; elsewhere every hook is the identity
+        self.active = config.on and (not config.ranks or rank in config.ranks)
+        if self.active:
             warnings.warn(
                 "grpod engine: FAULT INJECTION IS ON (drill mode); this run corrupts steps "
                 "on purpose",
                 stacklevel=3,
             )
-        self._steps = {
-            "nan-loss": frozenset(config.nan_loss_steps),
-            "inf-grad": frozenset(config.inf_grad_steps),
-            "sentinel-logprob": frozenset(config.sentinel_logprob_steps),
-            "equal-rewards": frozenset(config.equal_reward_steps),
-            "loss-spike": frozenset(config.loss_spike_steps),
+        steps = {
+            "nan-loss": config.nan_loss_steps,
+            "inf-grad": config.inf_grad_steps,
+            "sentinel-logprob": config.sentinel_logprob_steps,
+            "equal-rewards": config.equal_reward_steps,
+            "loss-spike": config.loss_spike_steps,
         }
+        self._steps = {name: frozenset(s if self.active else ()) for name, s in steps.items()}
 
     @property
     def per_micro_accounting(self) -> bool:
         """The counter is re-zeroed per chunk and chunks run in reverse (the wild bug)."""
-        return self.config.accounting != "none"
+        return self.active and self.config.accounting != "none"
 
     def injected(self, step: int) -> tuple[str, ...]:
         """The names of the faults this hook set injects into `step` (sorted)."""
@@ -74,4 +78,4 @@ class Faults:
     def grads(self, step: int, grads: list[torch.Tensor]) -> None:
         """The step's scaled gradients; inf-grad: one element of the first is inf (in place)."""
         if step in self._steps["inf-grad"]:
-            grads[0].view(-1)[0] = float("inf")
+            local(grads[0]).view(-1)[0] = float("inf")  # a sharded gradient: this rank's shard

@@ -18,6 +18,7 @@ from grpod.engine.batch import TransportBatch
 from grpod.engine.kvmask import cell_prompt_lengths, restrict_to_cache
 from grpod.engine.model import compute_context
 from grpod.engine.packing import attention_mask, causal_and_eye, first_fit_decreasing
+from grpod.engine.parallel import is_sharded
 from grpod.engine.trunk import trunk_states
 from grpod.engine.trunk import unsupported as trunk_unsupported
 
@@ -106,13 +107,16 @@ def run_trunk(
     `device`: `hidden[source[p]]` is the state of micro position p.
 
     Qwen2 / Llama in FP32 run `engine.trunk.trunk_states` (bit-identical to the Hugging Face
-    forward, without its plumbing); anything else the Hugging Face forward.
+    forward, without its plumbing); anything else, and an FSDP2-sharded model, the Hugging
+    Face forward.
     """
     input_ids = layout.input_ids.to(device)
     position_ids = layout.position_ids.to(device)
     mask = layout.attention_mask.to(device)
     with compute_context(dtype, device):
-        if trunk_unsupported(model, dtype) is None:
+        if is_sharded(model):  # through FSDP's hooks: they gather and reduce the shards
+            hidden = model.grpod_trunk(input_ids, position_ids, mask)
+        elif trunk_unsupported(model, dtype) is None:
             hidden = trunk_states(model, input_ids, position_ids, mask)
         else:
             hidden = model.base_model(

@@ -37,19 +37,22 @@ class RewardSet:
         return [f.name for f in self.functions]
 
     def score(
-        self, prompts: list[Prompt], completions: list[str], group_size: int
+        self, prompts: list[Prompt], completions: list[str], group_size: int, first: int = 0
     ) -> tuple[torch.Tensor, dict[str, list[float]]]:
-        """`rewards: [samples]` FP32 and {name: [samples]} (empty without `rewards`)."""
+        """`rewards: [samples]` FP32 and {name: [samples]} (empty without `rewards`); sample
+        `i` is named `first + i` in errors (under torchrun: its index in the global batch)."""
         if not self.functions:
             values = [
-                self.task.score(prompts[i // group_size], text, i)
+                self.task.score(prompts[i // group_size], text, first + i)
                 for i, text in enumerate(completions)
             ]
             return torch.tensor(values, dtype=torch.float32), {}
         parts: dict[str, list[float]] = {}
         for function in self.functions:
             parts[function.name] = [
-                self.task.score(prompts[i // group_size], text, i, function.fn, function.name)
+                self.task.score(
+                    prompts[i // group_size], text, first + i, function.fn, function.name
+                )
                 for i, text in enumerate(completions)
             ]
         total = torch.zeros(len(completions), dtype=torch.float64)

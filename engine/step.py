@@ -57,8 +57,16 @@ class StepResult:
         return self.report.step
 
 
-def decide_step(engine: Engine, policy: StepPolicy, batch: TransportBatch) -> StepResult:
-    """Run and decide step `batch.step` on `engine` under `policy` (see the module doc)."""
+def decide_step(
+    engine: Engine,
+    policy: StepPolicy,
+    batch: TransportBatch,
+    *,
+    global_valid_tokens: int | None = None,
+) -> StepResult:
+    """Run and decide step `batch.step` on `engine` under `policy` (see the module doc);
+    `global_valid_tokens`: the loss divisor of a recorded distributed step, for the replay of
+    one rank's part in one process (`Engine.accumulate`)."""
     started = time.perf_counter()
     run, findings, skip = policy.before(batch, per_micro_accounting=engine.per_micro_accounting)
     guards = time.perf_counter() - started
@@ -68,7 +76,7 @@ def decide_step(engine: Engine, policy: StepPolicy, batch: TransportBatch) -> St
         verdict = policy.decide(findings)
         guards += time.perf_counter() - started
         return StepResult(batch, report, verdict, outcome, _phases(engine, guards))
-    report = engine.accumulate(run)
+    report = engine.accumulate(run, global_valid_tokens=global_valid_tokens)
     started = time.perf_counter()
     verdict = policy.decide(findings + policy.after(run, report))
     guards += time.perf_counter() - started

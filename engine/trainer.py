@@ -14,21 +14,22 @@ from typing import Any
 
 import torch
 
+from grpod.engine import distcp
 from grpod.engine.accounting import ValidTokenCounter
 from grpod.engine.advantages import group_advantages
 from grpod.engine.batch import TransportBatch
-from grpod.engine.checkpoint import load_checkpoint, save_checkpoint
 from grpod.engine.config import EngineConfig
 from grpod.engine.cursor import DataCursor
 from grpod.engine.errors import EngineError
 from grpod.engine.faults import Faults
 from grpod.engine.flat import flatten_parameters
 from grpod.engine.fused import unsupported as decoder_unsupported
-from grpod.engine.layout import micro_layout, run_trunk, trunk_passes
+from grpod.engine.layout import TrunkLayout, micro_layout, run_trunk, trunk_passes
 from grpod.engine.lora import apply_lora, reference_mode
 from grpod.engine.loss import LossSettings, policy_token_loss, token_logprobs_entropy
 from grpod.engine.model import load_policy, resolve_device
 from grpod.engine.packing import Sample, pack
+from grpod.engine.parallel import Parallel, local, total_norm
 from grpod.engine.prompts import cut_at_stop_strings, stop_token_ids, strip_stop_strings
 from grpod.engine.report import StepReport
 from grpod.engine.rewards import RewardSet
@@ -83,9 +84,11 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.parallel = Parallel.start(config)  # under torchrun: the process group, this rank
         if config.threads:
             torch.set_num_threads(config.threads)
-        self.faults = Faults(config.faults)  # drill hooks: identity unless [engine.faults]
+        # drill hooks: identity unless [engine.faults] (and this rank is one of its ranks)
+        self.faults = Faults(config.faults, self.parallel.rank)
         self.task = build_task(
             config.task,
             config.reward,
@@ -93,7 +96,7 @@ class Engine:
             config.kv_retrieval_records,
             config.kv_retrieval_asked,
         )
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(self.parallel.device(config.device))
         self.model, self.tokenizer = load_policy(config.model, self.task.chars, config.seq_len)
         self.kv_cache = config.kv_cache_spec
         if self.kv_cache is not None and decoder_unsupported(self.model) is not None:
@@ -109,6 +112,7 @@ class Engine:
         require_chat_template(self.tokenizer, config.prompt_format)
         self.rewards = RewardSet(self.task, config.rewards, config.reward_weights)
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.model)
+        trained = copy.deepcopy(self.model) if self.parallel.sharded else self.model
         # one storage for every parameter: the guards' weights check is then one reduction
         self.flat_weights = flatten_parameters(self.model)
         self.reference = (  # with LoRA the reference is the base: the adapters disabled
@@ -116,6 +120,10 @@ class Engine:
             if config.kl_beta > 0 and self.adapters is None
             else None
         )
+        # rollout and scoring run on this unsharded copy (engine/parallel.py): no collective
+        self.rollout_model = self.model
+        if self.parallel.sharded:
+            self.model = self.parallel.shard(trained, config.dtype)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -170,13 +178,18 @@ class Engine:
             return replace(cached, step=step)  # same samples, same old logprobs: epoch > 1
         with self._timed("rollout"):
             prompts = self.task.prompts_for_step(generation, cfg.prompts_per_step, cfg.seed)
+            prompts, first = self.parallel.local_groups(prompts)  # whole groups per rank
+            if self.parallel.sharded:
+                self.parallel.sync_rollout_copy(self.model, self.rollout_model)
             prompt_ids = [self.encode_prompt(p.text) for p in prompts]
             out, completions, texts = self.generate(
                 [ids for ids in prompt_ids for _ in range(cfg.group_size)],
-                step_seed(cfg.seed, generation),
+                step_seed(cfg.seed, generation, self.parallel.rank),
             )
             lengths = out.mask.sum(-1).tolist()
-            rewards, function_rewards = self.rewards.score(prompts, texts, cfg.group_size)
+            rewards, function_rewards = self.rewards.score(
+                prompts, texts, cfg.group_size, first * cfg.group_size
+            )
             rewards = faults.rewards(step, rewards, cfg.group_size)
             advantages, _ = group_advantages(
                 rewards, cfg.group_size, cfg.scale_rewards, cfg.advantage_std
@@ -191,7 +204,7 @@ class Engine:
                     prompt_len=len(prompt_ids[i // cfg.group_size]),
                     advantage=advantage,
                     sampler_logprobs=sampler_logprobs[i],
-                    group=i // cfg.group_size,
+                    group=first + i // cfg.group_size,
                 )
                 for i, (ids, advantage) in enumerate(zip(completions, advantages.tolist()))
             ]
@@ -212,14 +225,20 @@ class Engine:
             batch = replace(batch, kv_cache=self.kv_cache, kv_cache_stats=out.cache_stats)
             if function_rewards:
                 batch = replace(batch, function_rewards=function_rewards)
+            if self.parallel.sharded:
+                batch = replace(batch, rank=self.parallel.rank, world_size=self.parallel.world_size)
         if cfg.epochs > 1:  # one scoring pass per generation, reused by every epoch
             with self._timed("score"):
                 batch = replace(batch, old_logprobs=self.score(batch))
             self.cursor.rollout_cache = batch
         return batch
 
-    def accumulate(self, batch: TransportBatch) -> StepReport:
-        """Forward + backward over every micro; grads scaled by the step's valid-token count."""
+    def accumulate(
+        self, batch: TransportBatch, global_valid_tokens: int | None = None
+    ) -> StepReport:
+        """Forward + backward over every micro; grads scaled by the step's valid-token count
+        (over every rank). `global_valid_tokens`: the recorded global count instead, for the
+        replay of one rank's part of a distributed step in one process."""
         if self._pending is not None:
             raise EngineError(f"step {self._pending.step}: accumulate before apply or flush")
         if self.loss_settings.tis_cap > 0 and batch.sampler_logprobs is None:
@@ -231,7 +250,10 @@ class Engine:
         with self._timed("grad"):
             stats = StepStats()
             self.counter.start_step()
-            for micros, layout in trunk_passes(batch, joint=self.config.dtype == "float32"):
+            passes = list(trunk_passes(batch, joint=self.config.dtype == "float32"))
+            # FSDP's collectives run per pass: every rank runs as many (a short one adds zeros)
+            extra_passes = self.parallel.max_int(len(passes)) - len(passes)
+            for micros, layout in passes:
                 hidden, source = run_trunk(self.model, layout, self.config.dtype, self.device)
                 per_micro = source.numel() // len(micros)
                 pass_loss = hidden.new_zeros((), dtype=torch.float32)
@@ -244,13 +266,23 @@ class Engine:
                     stats.micro_loss_sums.append(micro_loss.detach())
                     pass_loss = pass_loss + micro_loss
                 pass_loss.backward()
+            for _ in range(extra_passes):
+                self._zero_pass(passes[0][1])
             valid_tokens = self.counter.value
-            token_scale = 1.0 / max(valid_tokens, 1)  # the step total, never one micro's count
+            local_loss_sum = sum(float(x) for x in stats.micro_loss_sums)
+            # the one collective of the count: every rank's [valid, expected, loss sum]
+            ranks = self.parallel.gather(
+                [valid_tokens, batch.expected_valid_tokens(), local_loss_sum]
+            )
+            if global_valid_tokens is None:
+                global_valid_tokens = int(sum(r[0] for r in ranks))
+            # the global step total, never one micro's (nor one rank's) count
+            token_scale = 1.0 / max(global_valid_tokens, 1)
             grads = [p.grad for p in self.params if p.grad is not None]
             torch._foreach_mul_(grads, token_scale)
             self.faults.grads(batch.step, grads)
-            grad_norm = float(torch.nn.utils.get_total_norm(grads))
-        self._pending = stats.report(
+            grad_norm = total_norm(grads)
+        report = stats.report(
             batch,
             valid_tokens=valid_tokens,
             token_scale=token_scale,
@@ -258,7 +290,13 @@ class Engine:
             max_grad_norm=self.config.max_grad_norm,
             lr=self.optimizer.param_groups[0]["lr"],
         )
-        return self._pending
+        report.rank, report.world_size = self.parallel.rank, self.parallel.world_size
+        report.global_valid_tokens = global_valid_tokens
+        report.rank_expected_valid_tokens = [int(r[1]) for r in ranks]
+        report.local_loss = report.loss
+        report.loss = sum(r[2] for r in ranks) * token_scale
+        self._pending = report
+        return report
 
     def apply(self) -> StepReport:
         """Clip with the pre-clip norm, take the AdamW step, advance the LR schedule."""
@@ -294,6 +332,7 @@ class Engine:
             lr=self.optimizer.param_groups[0]["lr"],
         )
         report.skipped_compute = True
+        report.rank, report.world_size = self.parallel.rank, self.parallel.world_size
         report.micro_order = list(range(batch.num_micros))
         self.step = batch.step + 1
         return report
@@ -379,6 +418,13 @@ class Engine:
                 return self.score(batch)
         return self.score(batch, self.reference)
 
+    def _zero_pass(self, layout: TrunkLayout) -> None:
+        """A forward + backward that adds exact zeros to every gradient the real passes touch:
+        it keeps a rank with fewer trunk passes in step with FSDP's per-pass collectives."""
+        hidden, _ = run_trunk(self.model, layout, self.config.dtype, self.device)
+        head = self.model.get_output_embeddings().weight
+        ((hidden[:1].float() @ head.float().T).sum() * 0.0).backward()
+
     def _gather(self, tensor: torch.Tensor, micro: int, index: torch.Tensor) -> torch.Tensor:
         """Host tensor `[micros, rows, seq]` -> the micro's values at flat `index`, on device."""
         return tensor[micro].reshape(-1)[index].to(self.device, non_blocking=True)
@@ -396,7 +442,7 @@ class Engine:
     @torch.no_grad()
     def score(self, batch: TransportBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """FP32 logprobs `[micros, rows, seq]` of every trainable token (0 elsewhere)."""
-        model = model or self.model
+        model = model or self.rollout_model  # unsharded: no collective per micro
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
         head = model.get_output_embeddings().weight
         for micro in range(batch.num_micros):
@@ -436,12 +482,12 @@ class Engine:
             if self.vllm is None:
                 from grpod.engine.rollout_vllm import VLLMSampler
 
-                self.vllm = VLLMSampler(self.model, cfg)
-            self.vllm.sync(self.model)
+                self.vllm = VLLMSampler(self.rollout_model, cfg)
+            self.vllm.sync(self.rollout_model)
             return self.vllm.sample(prompts, seed=seed, **settings)
         generator = torch.Generator(self.device).manual_seed(seed)
         return sample(
-            self.model,
+            self.rollout_model,
             prompts,
             generator=generator,
             dtype=cfg.dtype,
@@ -490,14 +536,24 @@ class Engine:
         return 1.0
 
     # ----------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
+    DCP_KEYS = ("model", "optimizer")  # the state a sharded engine saves through DCP (distcp.py)
+
+    def state_dict(self, fqn: bool = False) -> dict[str, Any]:
         """Weights, AdamW state, LR schedule position and data cursor (plain tensors and dicts:
-        `engine/checkpoint.py` or torch.distributed.checkpoint save it)."""
+        `engine/checkpoint.py` or torch.distributed.checkpoint save it). Sharded (or `fqn`):
+        model and optimizer in torch.distributed.checkpoint's form (`get_state_dict`)."""
         if self._pending is not None:
             raise EngineError(f"step {self._pending.step} is still pending (apply or flush it)")
+        if self.parallel.sharded or fqn:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model, optimizer = get_state_dict(self.model, self.optimizer)
+        else:
+            model = {name: p.detach() for name, p in self.trained_parameters()}
+            optimizer = self.optimizer.state_dict()
         return {
-            "model": {name: p.detach() for name, p in self.trained_parameters()},
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "cursor": self.cursor.state_dict(),
         }
@@ -512,6 +568,17 @@ class Engine:
         missing = sorted({"model", "optimizer", "scheduler", "cursor"} - set(state))
         if missing:
             raise EngineError(f"engine state: missing {', '.join(missing)}")
+        if _fqn_form(state["optimizer"]):  # DCP's form: resharded onto this engine's layout
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+            )
+            self._load_rest(state)
+            return
         params = dict(self.trained_parameters())
         weights = state["model"]
         if set(weights) != set(params):
@@ -525,17 +592,21 @@ class Engine:
             for name, tensor in weights.items():
                 params[name].copy_(tensor)
         self.optimizer.load_state_dict(state["optimizer"])
+        self._load_rest(state)
+
+    def _load_rest(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict({**state["scheduler"], "lr_lambdas": [None]})
         self.cursor.load_state_dict(state["cursor"])
         self.optimizer.zero_grad(set_to_none=True)
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Write this engine's state (and JSON `extra`) to directory `path` atomically."""
-        return save_checkpoint(path, {"engine": self}, extra)
+        """Write this engine's state (and JSON `extra`) to directory `path` atomically;
+        sharded: collectively, with torch.distributed.checkpoint (engine/distcp.py)."""
+        return distcp.save(path, {"engine": self}, self.parallel, extra)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Restore from directory `path`; returns the extra state saved with it."""
-        return load_checkpoint(path, {"engine": self})
+        return distcp.load(path, {"engine": self}, self.parallel)
 
     def state_digest(self) -> str:
         """sha256 over weights, optimizer state and the LR schedule position."""
@@ -552,6 +623,12 @@ class Engine:
         return h.hexdigest()
 
 
+def _fqn_form(optimizer: dict[str, Any]) -> bool:
+    """An optimizer state dict keyed by parameter names (`get_state_dict`), not indices."""
+    groups = optimizer.get("param_groups") or [{}]
+    return any(isinstance(p, str) for p in groups[0].get("params", ()))
+
+
 def _chunk_bounds(length: int, chunks: int) -> list[int]:
     """Boundaries of `chunks` near-equal windows over `length` (as `tensor_split` cuts them)."""
     base, extra = divmod(length, chunks)
@@ -562,11 +639,13 @@ def _chunk_bounds(length: int, chunks: int) -> list[int]:
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    t = tensor.detach().contiguous().cpu()
+    t = local(tensor.detach()).contiguous().cpu()  # a sharded model: this rank's shard
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def step_seed(seed: int, step: int) -> int:
-    """A per-step sampler seed: reproducible, independent of how many steps ran before."""
-    digest = hashlib.sha256(f"grpod:{seed}:{step}".encode()).digest()
+def step_seed(seed: int, step: int, rank: int = 0) -> int:
+    """A per-step (per-rank) sampler seed: reproducible, independent of how many steps ran
+    before; rank 0's is the one-process seed."""
+    text = f"grpod:{seed}:{step}" + (f":{rank}" if rank else "")
+    digest = hashlib.sha256(text.encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

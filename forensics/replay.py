@@ -5,6 +5,13 @@ as they were decided (applied, flushed, or skipped without compute), run the tar
 and compare with the record: `reproduced` when loss, valid tokens and grad norm are
 bit-equal at every step, else `diverged at step k` naming the first differing field.
 Nothing in the store or the run directory is written.
+
+A distributed step (recorded as its global batch, `TransportBatch.part(rank)` each rank's):
+under `torchrun --nproc-per-node N grpod replay` every rank runs its own part and the global
+loss, global valid tokens and grad norm are compared; `grpod replay --rank R` (one process)
+runs rank R's part of the target divided by the recorded global count and compares that
+rank's local valid tokens and local loss (the steps before it run as one process on the
+global batch: bit-exact when the checkpoint is the target's own, else to FP32 rounding).
 """
 
 from __future__ import annotations
@@ -16,21 +23,28 @@ import os
 import struct
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 from pydantic import ValidationError
 
-from grpod.engine import Engine, EngineConfig, EngineError, StepReport, TransportBatch
-from grpod.engine.checkpoint import load_checkpoint
+from grpod.engine import (
+    ChunkTrace,
+    Engine,
+    EngineConfig,
+    EngineError,
+    StepReport,
+    TransportBatch,
+    distcp,
+)
 from grpod.engine.step import decide_step
 from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Step
 from grpod.forensics.store import Store
-from grpod.jsonsafe import to_json
+from grpod.jsonsafe import from_json, to_json
 
 COMPARED = ("valid_tokens", "loss", "grad_norm")
 Progress = Callable[[int, int, int], None]  # (done, total, step)
@@ -72,8 +86,10 @@ def replay(
     *,
     store_url: str = "",
     progress: Progress | None = None,
+    rank: int | None = None,
 ) -> ReplayResult:
-    """Replay `step` (or the step of `incident_id`) of the run in `run_dir`."""
+    """Replay `step` (or the step of `incident_id`) of the run in `run_dir`; `rank`: only that
+    rank's part of a distributed target step, in this one process."""
     if (step is None) == (incident_id is None):
         raise ForensicsError("replay: give exactly one of an incident id or --step")
     store = Store(run_dir, store_url, create=False)
@@ -83,13 +99,18 @@ def replay(
         engine = _restore(store, config, checkpoint)
     finally:
         store.close()
+    part = engine.parallel.rank if engine.parallel.world_size > 1 else None
+    if rank is not None and part is not None:
+        raise ForensicsError("replay: --rank R runs in one process, not under torchrun")
     diverged_at = diverged_field = None
     replayed: StepReport | None = None
     for done, item in enumerate(plan):
         is_target = done == len(plan) - 1
-        replayed = _rerun(engine, item, compute_skipped=is_target)
-        if item.row.outcome != Outcome.SKIPPED and diverged_at is None:
-            diverged_field = _first_difference(item.report, replayed)
+        mine = rank if is_target and rank is not None else part
+        replayed = _rerun(engine, item, is_target, mine, alone=mine is not None and part is None)
+        compared = is_target or rank is None  # --rank: the steps before run only to get there
+        if compared and item.row.outcome != Outcome.SKIPPED and diverged_at is None:
+            diverged_field = _first_difference(item.report, replayed, rank if is_target else None)
             if diverged_field is not None:
                 diverged_at = item.report.step
         if progress is not None:
@@ -100,8 +121,8 @@ def replay(
     return ReplayResult(
         reproduced=reproduced,
         step=target.report.step,
-        recorded=_fields(target.report),
-        replayed=_fields(replayed) if replayed is not None else {},
+        recorded=_fields(target.report, rank),
+        replayed=_fields(replayed, None, local=rank is not None) if replayed is not None else {},
         classification=("persistent" if bad else "healthy") if reproduced else "transient",
         diverged_at=diverged_at,
         field=diverged_field,
@@ -110,8 +131,8 @@ def replay(
         checkpoint_step=checkpoint.step,
         steps_replayed=len(plan),
         incident_id=incident_id,
-        note=_note(target, versions),
-        trace=_trace(target.report, replayed) if trace and replayed is not None else None,
+        note=_note(target, versions, rank, len(plan)),
+        trace=_trace(target.report, replayed, rank) if trace and replayed is not None else None,
     )
 
 
@@ -166,9 +187,14 @@ def _load(session: Any, blobs: BlobStore, row: Step) -> _Planned:
     return _Planned(row, StepReport.from_dict(json.loads(row.report_json)), batch)
 
 
-def _note(target: _Planned, versions: dict[str, str]) -> str:
+def _note(target: _Planned, versions: dict[str, str], rank: int | None, steps: int) -> str:
     """Why the comparison may say less than usual: a skipped target, other software."""
     notes = []
+    if rank is not None and steps > 1:
+        notes.append(
+            f"--rank {rank}: the {steps - 1} steps before the target ran as one process on "
+            "their global batches (equal to the distributed steps up to FP32 rounding)"
+        )
     if target.row.outcome == Outcome.SKIPPED:
         notes.append(
             "the target was skipped without compute when recorded: computed now, compared "
@@ -196,7 +222,8 @@ def _restore(store: Store, config: dict[str, Any], checkpoint: Checkpoint) -> En
         engine = Engine(engine_config)
     path = store.checkpoint_path(checkpoint)
     try:
-        load_checkpoint(path, {"engine": engine})  # decisions come from the record, not guards
+        # decisions come from the record, not guards; a DCP checkpoint loads unsharded too
+        distcp.load(path, {"engine": engine}, engine.parallel)
     except EngineError as exc:
         raise ForensicsError(str(exc)) from None
     if engine.step != checkpoint.step:
@@ -206,12 +233,25 @@ def _restore(store: Store, config: dict[str, Any], checkpoint: Checkpoint) -> En
     return engine
 
 
-def _rerun(engine: Engine, item: _Planned, compute_skipped: bool) -> StepReport | None:
+def _rerun(
+    engine: Engine, item: _Planned, compute_skipped: bool, part: int | None, alone: bool
+) -> StepReport | None:
     """Run one recorded step as it was decided; a skipped step computes nothing (None) unless
-    it is the target, which is computed and flushed to show what it would have done."""
+    it is the target, which is computed and flushed to show what it would have done. `part`:
+    run only that rank's part of a distributed step; `alone`: in one process, divided by the
+    recorded global count."""
+    batch, order = item.batch, item.report.micro_order
+    if part is not None:
+        try:
+            batch = item.batch.part(part)
+        except EngineError as exc:
+            raise ForensicsError(str(exc)) from None
+        first = sum(item.batch.rank_micros[:part])
+        order = [m - first for m in order if first <= m < first + batch.num_micros]
     outcome = Outcome(item.row.outcome)
-    policy = _AsRecorded(item.report.micro_order, outcome, compute_skipped)
-    result = decide_step(engine, policy, item.batch)
+    policy = _AsRecorded(order, outcome, compute_skipped)
+    divisor = _global_valid(item.report) if alone else None
+    result = decide_step(engine, policy, batch, global_valid_tokens=divisor)
     return None if result.outcome is Outcome.SKIPPED else result.report
 
 
@@ -252,11 +292,22 @@ def as_run(batch: TransportBatch, micro_order: list[int]) -> TransportBatch:
     return batch if order == identity else batch.reorder(order)
 
 
-def _first_difference(recorded: StepReport, replayed: StepReport) -> str | None:
-    for name in COMPARED:
-        if not bit_equal(getattr(recorded, name), getattr(replayed, name)):
+def _first_difference(
+    recorded: StepReport, replayed: StepReport, rank: int | None = None
+) -> str | None:
+    """The first compared field that differs (`rank`: that rank's local fields)."""
+    mine, theirs = _fields(recorded, rank), _fields(replayed, None, local=rank is not None)
+    for name in mine:
+        if not bit_equal(from_json(mine[name]), from_json(theirs[name])):
             return name
     return None
+
+
+def _global_valid(report: StepReport) -> int:
+    """The step's loss divisor: the global count of a distributed step, else the count."""
+    if report.world_size == 1 or report.global_valid_tokens is None:
+        return report.valid_tokens
+    return report.global_valid_tokens
 
 
 def bit_equal(a: float | int, b: float | int) -> bool:
@@ -269,11 +320,24 @@ def bit_equal(a: float | int, b: float | int) -> bool:
     return struct.pack("<d", a) == struct.pack("<d", b)
 
 
-def _fields(report: StepReport) -> dict[str, Any]:
-    return {name: to_json(getattr(report, name)) for name in COMPARED}
+def _fields(report: StepReport, rank: int | None, local: bool = False) -> dict[str, Any]:
+    """The compared numbers: global valid tokens, loss, grad norm; `rank` (recorded) or
+    `local` (replayed): one rank's local valid tokens and local loss."""
+    if rank is not None:
+        if not 0 <= rank < len(report.rank_reports):
+            raise ForensicsError(f"step {report.step}: no rank {rank} (not a distributed step)")
+        row = report.rank_reports[rank]
+        return {"valid_tokens": row["valid_tokens"], "local_loss": to_json(row["local_loss"])}
+    if local:
+        return {"valid_tokens": report.valid_tokens, "local_loss": to_json(report.local_loss)}
+    values = (_global_valid(report), report.loss, report.grad_norm)
+    return {name: to_json(v) for name, v in zip(COMPARED, values)}
 
 
-def _trace(recorded: StepReport, replayed: StepReport) -> list[dict[str, Any]]:
+def _trace(recorded: StepReport, replayed: StepReport, rank: int | None) -> list[dict[str, Any]]:
+    if rank is not None:  # that rank's own recorded trace
+        chunks = [ChunkTrace(**c) for c in recorded.rank_reports[rank]["chunk_trace"]]
+        recorded = replace(recorded, chunk_trace=chunks)
     rows = []
     for index in range(max(len(recorded.chunk_trace), len(replayed.chunk_trace))):
         rec = recorded.chunk_trace[index] if index < len(recorded.chunk_trace) else None

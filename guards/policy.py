@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from grpod.engine import StepReport, TransportBatch
+from grpod.engine.parallel import local
 from grpod.guards import distributed
 from grpod.guards.accounting import AccountingGuard
 from grpod.guards.advantage import AdvantageGuard
@@ -156,7 +157,8 @@ class GuardPolicy:
         walked again when they moved out of the storage they shared (`.to()`, a reassigned
         `.data`): `weights_cover` is then never stale."""
         if model is not self._model or self._cover_moved():
-            self._model, self._weights = model, list(model.parameters())
+            # a sharded model's DTensors: this rank's shards (each rank checks its own)
+            self._model, self._weights = model, [local(p) for p in model.parameters()]
             self._cover = shared_storage(self._weights)
         return self._weights
 

@@ -31,6 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     replay.add_argument("--step", type=int, help="replay this step instead of an incident")
     replay.add_argument("--trace", action="store_true", help="per-micro, per-chunk trace")
     replay.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    replay.add_argument(
+        "--rank",
+        type=int,
+        metavar="R",
+        help="a distributed step: replay rank R's part alone (one process)",
+    )
     replay.set_defaults(handler=_replay)
 
     incidents = sub.add_parser("incidents", help="incidents of a run")
@@ -77,6 +83,7 @@ def _db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from grpod.daemon import distributed
     from grpod.forensics import ForensicsError, replay
 
     if (args.incident is None) == (args.step is None):
@@ -89,7 +96,12 @@ def _replay(args: argparse.Namespace) -> int:
         trace=args.trace,
         store_url=args.store_url,
         progress=progress,
+        rank=args.rank,
     )
+    if distributed.world_size() > 1:  # under torchrun: every rank replayed its part
+        if distributed.rank() != 0:
+            distributed.leave(0, together=True)
+        distributed.barrier()
     if progress is not None:
         progress.done()
     if args.json:

@@ -28,16 +28,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from grpod.daemon.rundir import resolve_plan
+    from grpod.daemon.rundir import Plan, resolve_plan
 
     overrides = {}
     if args.max_steps is not None:
         overrides["max_steps"] = args.max_steps
     if args.linger is not None:
         overrides["linger_seconds"] = args.linger
-    plan = resolve_plan(args.config, args.run_dir, overrides)  # reads only; ConfigError -> 2
-    if plan.resume:
-        plan.run_dir.lock()  # one live run per directory; a fresh one is locked as it is made
+    from grpod.daemon import distributed
+
+    def resolve() -> Plan:  # reads only; ConfigError -> 2
+        plan = resolve_plan(args.config, args.run_dir, overrides)
+        if plan.resume:
+            plan.run_dir.lock()  # one live run per directory; a fresh one is locked as it is made
+        return plan
+
+    # under torchrun rank 0 resolves (and locks) for every rank
+    plan = distributed.agree(resolve)
+    if distributed.rank() != 0:
+        plan.run_dir.held = None  # rank 0's lock: its descriptor means nothing here
     from grpod.engine.preflight import preflight
 
     preflight(plan.config.engine)  # before anything is created: EngineError -> exit 2
@@ -46,8 +55,10 @@ def _run(args: argparse.Namespace) -> int:
     from grpod.daemon.loop import Daemon
 
     code = Daemon(plan).run()
-    if code in (EXIT_OK, EXIT_HALT):
+    if code in (EXIT_OK, EXIT_HALT) and distributed.rank() == 0:
         _print_summary(plan.run_dir.path, plan.config.forensics.store_url)
+    if distributed.world_size() > 1:
+        distributed.leave(code, together=code in (EXIT_OK, EXIT_HALT))
     return code
 
 

@@ -82,3 +82,26 @@ def test_reorder_keeps_the_order_relative_to_the_rollout(batch) -> None:
     assert batch.reorder(moved.micro_order).micro_order == order
     with pytest.raises(EngineError, match="not a permutation"):
         batch.reorder([0, 0])
+
+
+def test_concat_then_part_gives_each_rank_its_own_batch_back(batch) -> None:
+    other = batch.reorder(list(reversed(range(batch.num_micros))))
+    joined = TransportBatch.concat([batch, other])
+    assert joined.rank_micros == (batch.num_micros,) * 2
+    assert joined.rank_samples == (batch.num_samples,) * 2
+    assert joined.num_micros == 2 * batch.num_micros
+    assert joined.num_samples == 2 * batch.num_samples
+    assert joined.expected_valid_tokens() == 2 * batch.expected_valid_tokens()
+    second = joined.sample_ids[batch.num_micros :]
+    assert int(second[second >= 0].min()) >= batch.num_samples  # renumbered, still distinct
+    for rank, original in enumerate((batch, other)):
+        part = joined.part(rank)
+        for name, tensor in original.tensors().items():
+            assert torch.equal(part.tensors()[name], tensor), name
+        identity = list(range(original.num_micros))
+        assert part.rank == rank
+        assert (part.micro_order or identity) == (original.micro_order or identity)
+    with pytest.raises(EngineError, match="holds no rank 2"):
+        joined.part(2)
+    with pytest.raises(EngineError, match="not distributed"):
+        batch.part(0)

@@ -58,3 +58,15 @@ def test_faults_on_warn_and_the_accounting_fault_is_per_micro() -> None:
     with pytest.warns(UserWarning, match="FAULT INJECTION IS ON"):
         faults = Faults(FaultsConfig(accounting="last_micro_first_chunk"))
     assert faults.per_micro_accounting
+
+
+def test_faults_fire_only_on_the_ranks_they_name() -> None:
+    config = FaultsConfig(nan_loss_steps=[1], accounting="last_micro_first_chunk", ranks=[1])
+    loss = torch.tensor(2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rank0, rank1 = Faults(config, rank=0), Faults(config, rank=1)
+    assert rank0.micro_loss(1, 0, loss) is loss and rank0.injected(1) == ()
+    assert not rank0.per_micro_accounting
+    assert math.isnan(float(rank1.micro_loss(1, 0, loss))) and rank1.injected(1) == ("nan-loss",)
+    assert rank1.per_micro_accounting

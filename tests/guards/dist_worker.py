@@ -24,7 +24,9 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://")
     rank = dist.get_rank()
+    # independent replicas (no FSDP): only the guards' verdicts cross ranks here
     cfg = dict(task="arith", prompts_per_step=2, group_size=4, seq_len=32, seed=rank)
+    cfg["parallel"] = "none"
     if rank == 1:
         cfg["faults"] = {"nan_loss_steps": [1]}
     with warnings.catch_warnings():

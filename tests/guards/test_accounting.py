@@ -34,3 +34,15 @@ def test_strict_flushes_an_off_by_one_count_and_nonzero_lets_it_through() -> Non
 def test_action_is_configurable() -> None:
     (finding,) = guard(action="HALT").after(batch(), report(valid_tokens=0))
     assert finding.action is Action.HALT
+
+
+def test_a_global_count_that_is_not_the_ranks_expected_sum_flushes() -> None:
+    local = dict(valid_tokens=10, expected_valid_tokens=10)
+    good = report(**local, global_valid_tokens=25, rank_expected_valid_tokens=[10, 15])
+    assert guard().after(batch(), good) == []
+    # a peer rank's count lost a token: this rank's own count is right, the global one is not
+    bad = report(**local, global_valid_tokens=24, rank_expected_valid_tokens=[10, 15])
+    (finding,) = guard().after(batch(), bad)
+    assert finding.action is Action.FLUSH and "global valid_tokens 24 != 25" in finding.message
+    assert finding.evidence["expected_global"] == 25
+    assert guard(mode="nonzero").after(batch(), bad) == []

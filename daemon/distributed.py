@@ -1,0 +1,115 @@
+"""The daemon under torchrun: one plan for every rank, rank 0 owns the store, agreed stops.
+
+`grpod run` under `torchrun --nproc-per-node N` joins the process group before it reads the
+run dir; rank 0 resolves the plan (fresh or resume, run id, config) and the others take it
+from rank 0, so no rank can decide differently or see a half-created directory. Each step
+every rank's batch and report go to rank 0 (`gather_step`), which records the step once:
+the global batch (every rank's micros in rank order, `TransportBatch.rank_micros`) and rank
+0's report with every rank's scalars and phase seconds (`rank_reports`). A stop signal takes
+effect on all ranks at the same step boundary (`agree_stop`), so none waits in a collective
+for a peer that left.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from typing import Any, TypeVar
+
+from grpod.daemon.errors import ConfigError
+from grpod.engine import StepReport, TransportBatch
+from grpod.engine.step import StepResult
+
+T = TypeVar("T")
+RANK_FIELDS = ("valid_tokens", "expected_valid_tokens", "local_loss", "num_micros", "num_samples")
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def agree(resolve: Callable[[], T]) -> T:
+    """`resolve()` on rank 0, its result (or its ConfigError) on every rank."""
+    if world_size() == 1:
+        return resolve()
+    import torch.distributed as dist
+
+    from grpod.engine.parallel import join
+
+    join()
+    box: list[Any] = [None]
+    if rank() == 0:
+        try:
+            box[0] = resolve()
+        except ConfigError as exc:
+            box[0] = exc
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], ConfigError):
+        raise box[0]
+    return box[0]
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def leave(code: int, together: bool) -> None:
+    """Exit this rank with `code`, after its peers when they all stop `together`."""
+    import torch.distributed as dist
+
+    if together:
+        dist.barrier()  # no rank tears the group down while another still uses it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no interpreter finalization: gloo's threads can abort it (tests/guards/dist_worker.py)
+    os._exit(code)
+
+
+def agree_stop(requested: bool) -> bool:
+    """True on every rank when a stop was asked of any (the agent signals all of them)."""
+    if world_size() == 1:
+        return requested
+    from grpod.guards import distributed
+
+    return bool(distributed.all_reduce_max(int(requested)))
+
+
+def gather_step(result: StepResult) -> tuple[TransportBatch, StepReport] | None:
+    """On rank 0: the step's global batch and the report to record; None on other ranks."""
+    if world_size() == 1:
+        return result.batch, result.report
+    import torch.distributed as dist
+
+    mine = (result.batch, result.report, dict(result.phase_seconds))
+    items: list[Any] = [None] * world_size() if rank() == 0 else []
+    dist.gather_object(mine, items if rank() == 0 else None, dst=0)
+    if rank() != 0:
+        return None
+    joined = TransportBatch.concat([b for b, _, _ in items])
+    order, offset = [], 0
+    for b, r, _ in items:
+        order += [offset + m for m in (r.micro_order or range(b.num_micros))]
+        offset += b.num_micros
+    recorded = replace(
+        result.report,
+        micro_order=order,
+        rank_reports=[
+            {
+                "rank": r.rank,
+                **{k: getattr(r, k) for k in RANK_FIELDS},
+                "phase_seconds": phases,
+                "chunk_trace": [asdict(c) for c in r.chunk_trace],
+            }
+            for _, r, phases in items
+        ],
+    )
+    return joined, recorded

@@ -1,0 +1,127 @@
+"""Checkpoints of `Stateful` objects under torchrun, with `torch.distributed.checkpoint` (DCP).
+
+`save(path, {"engine": engine, "guards": policy}, parallel)` is the one entry for every
+checkpoint: one process writes `engine/checkpoint.py`'s format; a sharded engine (FSDP2)
+writes one DCP directory collectively. There, the keys an object names in `DCP_KEYS` (the
+engine's `model` and `optimizer`, in DCP's FQN form) go through `dcp.save`, each rank its
+shards; everything else of every object is rank-local (data cursor, schedule, the guard
+windows of `GuardPolicy.state_dict`) and goes to `rank-R/` in checkpoint.py's format. Rank 0
+builds the directory beside its final name (`grpod.fileio.atomic_dir`) and renames it once
+every rank is done, so a reader sees a complete checkpoint or none (a killed job leaves a
+`.step-N.tmp-<pid>` directory, which start-up removes).
+
+Resume with the same world size restores everything; with another world size DCP reshards
+model and optimizer, every rank takes rank 0's rank-local state without its rollout cache,
+and `restored` says so. A one-process engine (`grpod replay --rank R`) loads a DCP checkpoint
+unsharded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.stateful import Stateful
+
+from grpod.engine.checkpoint import load_checkpoint, save_checkpoint
+from grpod.engine.errors import EngineError
+from grpod.engine.parallel import Parallel
+from grpod.fileio import atomic_dir
+
+FORMAT = "grpod.dcp_checkpoint/2"
+
+
+def save(
+    path: str | os.PathLike,
+    states: dict[str, Stateful],
+    parallel: Parallel,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write `states` to directory `path`; sharded: collective, every rank the same `path`."""
+    if not parallel.sharded:
+        return save_checkpoint(path, states, extra)
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    final, rank = Path(path), parallel.rank
+    shared, rest = {}, {}
+    for name, obj in states.items():
+        state, keys = obj.state_dict(), getattr(obj, "DCP_KEYS", ())
+        shared[name] = {k: state[k] for k in keys}
+        rest[name] = _Fixed({k: v for k, v in state.items() if k not in keys})
+    with ExitStack() as stack:
+        box: list[Any] = [None]
+        if rank == 0:  # rank 0 owns the directory; the others write into its temporary
+            box[0] = str(stack.enter_context(atomic_dir(final, replace=True)))
+        dist.broadcast_object_list(box, src=0)
+        tmp = Path(box[0])
+        dcp.save(shared, checkpoint_id=str(tmp))
+        save_checkpoint(tmp / f"rank-{rank}", rest, extra)
+        dist.barrier()  # every rank's files are complete before rank 0 publishes
+        if rank == 0:
+            state = {"format": FORMAT, "world_size": parallel.world_size}
+            (tmp / "state.json").write_text(json.dumps(state, sort_keys=True))
+    dist.barrier()
+    return final
+
+
+def load(
+    path: str | os.PathLike, states: dict[str, Stateful], parallel: Parallel
+) -> dict[str, Any]:
+    """Restore `states` from directory `path`; returns the extra state (a DCP checkpoint's
+    with `restored`, what was kept, and `saved_world_size`)."""
+    where = Path(path)
+    if not is_dcp(where):
+        if parallel.sharded:
+            raise EngineError(f"checkpoint {where}: not a torch.distributed.checkpoint directory")
+        return load_checkpoint(where, states)
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        state = json.loads((where / "state.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"checkpoint {where}: unreadable state.json: {exc}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else None
+        raise EngineError(f"checkpoint {where}: format {found!r}, not {FORMAT}")
+    shared = {}
+    for name, obj in states.items():
+        keys = getattr(obj, "DCP_KEYS", ())
+        template = obj.state_dict(fqn=True) if keys else {}
+        shared[name] = {k: template[k] for k in keys}
+    try:
+        dcp.load(shared, checkpoint_id=str(where))
+    except Exception as exc:  # DCP raises its own CheckpointException across ranks
+        raise EngineError(f"checkpoint {where}: cannot load: {str(exc).splitlines()[0]}") from None
+    saved_world = int(state.get("world_size", 0))
+    same = saved_world == parallel.world_size
+    rest = {name: _Fixed({}) for name in states}
+    extra = load_checkpoint(where / f"rank-{parallel.rank if same else 0}", rest)
+    for name, obj in states.items():
+        local = rest[name].state
+        if not same and isinstance(local.get("cursor"), dict):
+            local["cursor"]["rollout_cache"] = None  # rank 0's samples are not this rank's
+        obj.load_state_dict({**local, **shared[name]})
+    kept = "everything" if same else "model, optimizer, schedule, cursor; rank 0's guard state"
+    return {**extra, "restored": kept, "saved_world_size": saved_world}
+
+
+def is_dcp(path: str | os.PathLike) -> bool:
+    """A DCP checkpoint directory (as `save` writes it under torchrun)."""
+    return (Path(path) / ".metadata").is_file()
+
+
+class _Fixed:
+    """A `Stateful` holding one state dict: what a rank saves of its own, or has loaded."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state

@@ -1,0 +1,177 @@
+"""Data parallelism under torchrun: the process group, FSDP2 sharding and a step's collectives.
+
+One process per device (`torchrun --nproc-per-node N grpod run ...`): NCCL on CUDA, gloo on
+the CPU. `[engine] parallel = "fsdp2"` (the default when `WORLD_SIZE > 1`) shards the policy
+with `torch.distributed.fsdp.fully_shard` per decoder layer and the root; FP32 master weights,
+and under `dtype = "bfloat16"` `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`.
+FSDP's gradient averaging is neutralised (divide factor 1, plain SUM reductions) because the
+engine divides by the step's *global* valid-token count itself, so an N-rank step equals the
+one-process step on the same global batch.
+
+What the engine keeps per rank under FSDP2:
+- the trained model is sharded (its parameters are DTensors); it runs only through the
+  Hugging Face forward, entered by `trunk` so that FSDP's hooks gather and reduce;
+- an unsharded *rollout copy* of the policy in one flat buffer (engine/flat.py): the fused
+  decoder, scoring and the reference pass run on it with no collective, so ranks whose
+  rollouts differ in length never wait on each other; `sync_rollout_copy` refreshes it
+  from the shards (one all-gather per parameter) before every rollout;
+- the weights guard checks each rank's local shards; the policy max-reduces its verdict.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import types
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from grpod.engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from grpod.engine.config import EngineConfig
+
+TRUNK_METHOD = "grpod_trunk"  # the FSDP-registered method the training forward enters by
+TIMEOUT = datetime.timedelta(minutes=10)  # a collective a peer never joins fails, never hangs
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This process's place in the job: `mode`, `rank` of `world_size`, `local_rank`."""
+
+    mode: str  # "fsdp2" | "none"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.mode == "fsdp2"
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> Parallel:
+        """Read the torchrun environment, check the config against it, join the group."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+        mode = config.parallel if config.parallel != "auto" else ("fsdp2" if world > 1 else "none")
+        if mode == "none":  # under torchrun too: each rank its own replica, no engine collective
+            return cls("none")
+        if config.prompts_per_step % world:
+            raise EngineError(
+                f"engine.prompts_per_step: {config.prompts_per_step} groups do not split "
+                f"evenly over {world} ranks"
+            )
+        if mode == "fsdp2":
+            join()
+        return cls(mode, rank, world, local)
+
+    def device(self, name: str) -> str:
+        """One device per rank: `cuda` under torchrun is `cuda:LOCAL_RANK`."""
+        return f"cuda:{self.local_rank}" if self.sharded and name in ("cuda", "auto") else name
+
+    # ----------------------------------------------------------------- data
+    def local_groups(self, prompts: list) -> tuple[list, int]:
+        """This rank's whole groups of the step's prompts, and the global index of its first."""
+        per_rank = len(prompts) // self.world_size
+        first = self.rank * per_rank
+        return prompts[first : first + per_rank], first
+
+    # ----------------------------------------------------------------- the model
+    def shard(self, model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+        """`fully_shard` per decoder layer and the root; gradient SUM, never an average."""
+        from torch.distributed.fsdp import (
+            MixedPrecisionPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
+
+        policy = MixedPrecisionPolicy()
+        if dtype == "bfloat16":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.base_model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        for module in model.modules():
+            if hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(1.0)
+                # gloo has no PREMUL_SUM; SUM then a division by 1 is the same bits
+                module.set_force_sum_reduction_for_comms(True)
+        model.grpod_trunk = types.MethodType(_hf_trunk, model)
+        register_fsdp_forward_method(model, TRUNK_METHOD)
+        return model
+
+    @torch.no_grad()
+    def sync_rollout_copy(self, sharded: torch.nn.Module, copy: torch.nn.Module) -> None:
+        """Copy the full weights of `sharded` into the unsharded `copy` (every rank, in order)."""
+        params = dict(copy.named_parameters())
+        for name, param in sharded.named_parameters():
+            params[name].copy_(param.full_tensor() if hasattr(param, "full_tensor") else param)
+
+    # ----------------------------------------------------------------- collectives
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values` (float64: integer counts stay exact below 2**53)."""
+        if not self.sharded:
+            return [list(values)]
+        mine = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine)
+        return [t.tolist() for t in out]
+
+    def max_int(self, value: int) -> int:
+        """The max of `value` over every rank."""
+        if not self.sharded:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self._comm_device())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
+
+    def _comm_device(self) -> torch.device:
+        if dist.get_backend() == "nccl":  # NCCL alone reduces device tensors only
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def join() -> None:
+    """Join the torchrun job's process group (once): gloo for CPU tensors, NCCL for CUDA ones."""
+    if dist.is_initialized():
+        return
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "cpu:gloo,cuda:nccl"  # the daemon's small host-side collectives stay on gloo
+    dist.init_process_group(backend, timeout=TIMEOUT)
+
+
+def total_norm(grads: list[torch.Tensor]) -> float:
+    """The global L2 norm of `grads` before clipping (over every rank's shards)."""
+    norm = torch.nn.utils.get_total_norm(grads)
+    if hasattr(norm, "full_tensor"):  # a DTensor: the partial norms reduced over ranks
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return hasattr(model, TRUNK_METHOD)
+
+
+def _hf_trunk(
+    self: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+) -> torch.Tensor:
+    """The final-norm hidden states through the Hugging Face forward (FSDP hooks around it)."""
+    return self.base_model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        use_cache=False,
+    ).last_hidden_state

@@ -1,0 +1,147 @@
+"""`grpod run` and `grpod replay` under a real `torchrun --nproc-per-node 2` (gloo, CPU).
+
+One campaign: start, SIGTERM to the torchrun agent mid-run (every rank finishes the step,
+checkpoints collectively with DCP and exits 0), resume from that checkpoint on the same
+world size, then replay the last step under torchrun (global loss, valid tokens and grad norm
+bit-exact) and one rank's part alone in one process (its local valid tokens and loss).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.daemon.helpers import GRPOD, free_port, http_get, parse_metrics, write_config
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+ENGINE = {  # W1c-sized steps in 4 sequence chunks, one row per micro: several micros per rank
+    "task": "copy",
+    "seq_len": 32,
+    "sequence_chunks": 4,
+    "prompts_per_step": 4,
+    "group_size": 4,
+    "micro_batch_rows": 1,
+    "threads": 1,
+}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def torchrun(*args: str) -> list[str]:
+    return [TORCHRUN, "--standalone", "--nproc-per-node", "2", GRPOD, *args]
+
+
+def events(text: str, name: str) -> dict[int, dict]:
+    """The last log event `name` of each rank."""
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("{") and f'"event": "{name}"' in line:
+            event = json.loads(line)
+            found[event["rank"]] = event
+    return found
+
+
+def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_path) -> None:
+    port = free_port()
+    config = write_config(
+        tmp_path / "grpod.toml",
+        {"engine": ENGINE, "daemon": {"metrics_port": port, "checkpoint_every": 100}},
+    )
+    run_dir, log = tmp_path / "run", tmp_path / "first.log"
+    with open(log, "w") as out:
+        agent = subprocess.Popen(
+            torchrun("run", "--config", str(config), "--run-dir", str(run_dir), "--max-steps", "0"),
+            env=ENV,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and agent.poll() is None:
+            status = run_dir / "status.json"
+            if status.is_file() and (json.loads(status.read_text()).get("step") or 0) >= 1:
+                break
+            time.sleep(0.2)
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=90)
+    text = log.read_text()
+    stopped = events(text, "stopped")
+    assert set(stopped) == {0, 1}, text[-3000:]
+    assert {e["exit_code"] for e in stopped.values()} == {0}
+    assert {e["reason"] for e in stopped.values()} == {"stopped by SIGTERM"}
+    stop_step = stopped[0]["next_step"]
+    assert stopped[1]["next_step"] == stop_step >= 2
+    checkpoint = run_dir / "checkpoints" / f"step-{stop_step:08d}"
+    assert (checkpoint / "state.json").is_file() and (checkpoint / ".metadata").is_file()
+    assert {p.name for p in checkpoint.glob("rank-*")} == {"rank-0", "rank-1"}
+    assert all((checkpoint / f"rank-{r}" / "state.json").is_file() for r in (0, 1))
+    assert not list((run_dir / "checkpoints").glob(".*tmp*"))
+
+    last = stop_step + 1
+    log = tmp_path / "resumed.log"
+    with open(log, "w") as out:
+        agent = subprocess.Popen(
+            torchrun(
+                "run", "--run-dir", str(run_dir), "--max-steps", str(last + 1), "--linger", "5"
+            ),
+            env=ENV,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        scraped: dict[str, float] = {}
+        while agent.poll() is None and scraped.get("grpod_step") != last:
+            time.sleep(0.2)
+            try:  # one endpoint, on local rank 0, with both ranks' series
+                scraped = parse_metrics(http_get(f"http://127.0.0.1:{port}/metrics", 2)[1])
+            except OSError:
+                continue
+        assert agent.wait(timeout=180) == 0, log.read_text()[-3000:]
+    started = events(log.read_text(), "started")
+    assert [started[r]["resumed_from"] for r in (0, 1)] == [stop_step, stop_step]
+
+    with sqlite3.connect(run_dir / "grpod.sqlite") as db:
+        rows = db.execute("SELECT step, report_json FROM steps ORDER BY step, id").fetchall()
+    assert [s for s, _ in rows] == list(range(last + 1))  # every step recorded once, by rank 0
+    for _, text_report in rows:
+        report = json.loads(text_report)
+        assert [r["rank"] for r in report["rank_reports"]] == [0, 1]
+        assert report["global_valid_tokens"] == sum(report["rank_expected_valid_tokens"])
+        assert report["global_valid_tokens"] == sum(
+            r["valid_tokens"] for r in report["rank_reports"]
+        )
+
+    replayed = subprocess.run(
+        torchrun("replay", "--run-dir", str(run_dir), "--step", str(last), "--json"),
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    rank_valid = [scraped[f'grpod_rank_valid_tokens{{rank="{r}"}}'] for r in (0, 1)]
+    assert rank_valid == [r["valid_tokens"] for r in json.loads(rows[-1][1])["rank_reports"]]
+    assert scraped["grpod_global_valid_tokens"] == sum(rank_valid)
+    assert scraped['grpod_rank_phase_duration_seconds{phase="grad",rank="1"}'] > 0
+
+    result = json.loads(replayed.stdout.strip().splitlines()[-1])
+    assert result["reproduced"] is True, result
+    assert result["recorded"] == result["replayed"]
+    assert result["recorded"]["valid_tokens"] == json.loads(rows[-1][1])["global_valid_tokens"]
+
+    alone = subprocess.run(
+        [GRPOD, "replay", "--run-dir", str(run_dir), "--step", str(last), "--rank", "1", "--json"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    result = json.loads(alone.stdout.strip().splitlines()[-1])
+    assert result["reproduced"] is True, result
+    rank_1 = json.loads(rows[-1][1])["rank_reports"][1]
+    assert result["replayed"] == {
+        "valid_tokens": rank_1["valid_tokens"],
+        "local_loss": rank_1["local_loss"],
+    }

@@ -1,0 +1,94 @@
+"""FSDP2 under a real `torchrun --nproc-per-node 2` (gloo, CPU) against one process.
+
+The 2-rank step and the one-process step on the same global batch (both ranks' batches, one
+after the other) agree on loss, valid tokens, grad norm and the updated weights to FP32
+rounding; a fault on rank 1 only flushes the step on both ranks, shards untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from grpod.engine import Engine, EngineConfig, EngineError, StepReport, TransportBatch
+from tests.engine.parallel_worker import CONFIG
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+# measured on this CPU (torch 2.13, gloo): loss, grad norm and weights bit-identical; allowed:
+RTOL, WEIGHTS_ATOL = 1e-5, 1e-6
+
+
+def torchrun(module: str, *args: str, nproc: int = 2, timeout: float = 240) -> list[dict]:
+    """Run `module` under a real torchrun; every rank's last JSON line, by rank."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "-m", module, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    return sorted(lines, key=lambda line: line["rank"])
+
+
+def test_two_fsdp2_ranks_equal_one_process_and_a_rank_1_fault_flushes_both(tmp_path) -> None:
+    ranks = torchrun("tests.engine.parallel_worker", str(tmp_path))
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert [s["outcome"] for s in r["steps"]] == ["applied", "flushed", "flushed", "applied"]
+        assert [s["untouched"] for s in r["steps"]] == [False, True, True, False]
+        assert all("finite" in s["guards"] for s in r["steps"][1:3])
+
+    reports = [
+        StepReport.from_dict(json.loads((tmp_path / f"report-{r}.json").read_text()))
+        for r in (0, 1)
+    ]
+    batches = [TransportBatch.load(tmp_path / f"batch-{r}.safetensors") for r in (0, 1)]
+    assert [(b.rank, b.world_size) for b in batches] == [(0, 2), (1, 2)]
+    assert set(batches[0].group_ids.unique().tolist()) - {-1} == {0, 1}  # whole groups per rank
+    assert set(batches[1].group_ids.unique().tolist()) - {-1} == {2, 3}
+    for r, report in enumerate(reports):
+        assert report.valid_tokens == batches[r].expected_valid_tokens()
+        assert report.rank_expected_valid_tokens == [b.expected_valid_tokens() for b in batches]
+        assert report.global_valid_tokens == sum(report.rank_expected_valid_tokens)
+    assert reports[0].loss == reports[1].loss and reports[0].grad_norm == reports[1].grad_norm
+    assert abs(reports[0].local_loss + reports[1].local_loss - reports[0].loss) < 1e-6
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = Engine(EngineConfig.model_validate({**CONFIG, "faults": {}}))
+    assert engine.parallel.world_size == 1 and not engine.parallel.sharded
+    one = engine.accumulate(TransportBatch.concat(batches))
+    engine.apply()
+    assert one.valid_tokens == reports[0].global_valid_tokens
+    assert abs(one.loss - reports[0].loss) <= RTOL * abs(one.loss)
+    assert abs(one.grad_norm - reports[0].grad_norm) <= RTOL * one.grad_norm
+    sharded = load_file(str(tmp_path / "weights.safetensors"))
+    assert set(sharded) == {n for n, _ in engine.model.named_parameters()}
+    worst = max(float((p - sharded[n]).abs().max()) for n, p in engine.model.named_parameters())
+    print(
+        f"loss {one.loss!r} vs {reports[0].loss!r}; grad norm {one.grad_norm!r} vs "
+        f"{reports[0].grad_norm!r}; weights max |diff| {worst:.3g}"
+    )
+    assert worst <= WEIGHTS_ATOL, worst
+
+
+def test_the_torchrun_environment_is_checked_before_anything_is_built(monkeypatch) -> None:
+    from grpod.engine.parallel import Parallel
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(EngineError, match="prompts_per_step: 4 groups do not split evenly over 3"):
+        Parallel.start(EngineConfig.model_validate(CONFIG))
+    alone = Parallel.start(EngineConfig.model_validate({**CONFIG, "parallel": "none"}))
+    assert (alone.mode, alone.rank, alone.world_size) == ("none", 0, 1)
