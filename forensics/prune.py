@@ -2,10 +2,13 @@
 
 `prune(store, budget)` is both `grpod gc` and the daemon's own retention after every
 checkpoint. Kept: the newest `keep_checkpoints` checkpoints (0 = all) and every checkpoint an
-incident pins; the batches from the oldest kept unpinned checkpoint on, and for ever those an
+incident pins; the batches from the oldest of the newest `keep_checkpoints` kept checkpoints on
+(pinned or not: a pinned one replays the steps after it like any other, so a run's recent steps
+stay replayable when an incident pinned its only earlier checkpoint), and for ever those an
 incident pins ([its checkpoint's step, its first step], and the same before its worst step).
-While blobs, checkpoints and the store's own file exceed the budget the oldest unpinned
-checkpoint goes too (never the newest), which moves the retention start forward. Rows are
+While blobs, checkpoints and the store's own file exceed the budget, that window of checkpoints
+shrinks (never below the newest) and the unpinned checkpoints before it go, which moves the
+retention start forward. Rows are
 deleted and committed before their files, so a row never names a missing file. Checkpoint
 files that share an inode (see `link_unchanged`) count once.
 """
@@ -101,9 +104,21 @@ def prune(
         while keep_checkpoints and sum(not c.pinned for c in retained) > keep_checkpoints:
             if not drop_oldest_unpinned():
                 break
-        while total(retention_start(retained), retained) > target and drop_oldest_unpinned():
+        window = keep_checkpoints or len(retained)  # the checkpoints whose steps replay
+
+        def start_of() -> int:
+            return min(retention_start(retained), window_start(retained, window))
+
+        while total(start_of(), retained) > target and window > 1:
+            window -= 1
+            edge = window_start(retained, window)
+            old = [c for c in retained[:-1] if not c.pinned and c.step < edge]
+            for checkpoint in old:
+                dropped.append(checkpoint)
+                retained.remove(checkpoint)
+        while total(start_of(), retained) > target and drop_oldest_unpinned():
             pass
-        start = retention_start(retained)
+        start = start_of()
         doomed = sorted(set(sizes) - keep(start))
         report.kept_bytes = total(start, retained)
         report.blobs_deleted = len(doomed)
@@ -151,6 +166,12 @@ def retention_start(retained: list[Checkpoint]) -> int:
     if unpinned:
         return min(unpinned)
     return min((c.step for c in retained), default=0)
+
+
+def window_start(retained: list[Checkpoint], window: int) -> int:
+    """The oldest step of the newest `window` retained checkpoints, pinned or not."""
+    newest = retained[-window:] if window else retained
+    return min((c.step for c in newest), default=0)
 
 
 def pins(store: Store, session: Any) -> list[tuple[Incident, list[Step]]]:

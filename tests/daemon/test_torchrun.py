@@ -126,6 +126,7 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_p
     assert scraped["grpod_global_valid_tokens"] == sum(rank_valid)
     assert scraped['grpod_rank_phase_duration_seconds{phase="grad",rank="1"}'] > 0
 
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
     result = json.loads(replayed.stdout.strip().splitlines()[-1])
     assert result["reproduced"] is True, result
     assert result["recorded"] == result["replayed"]

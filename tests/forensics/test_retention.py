@@ -55,6 +55,23 @@ def test_gc_keeps_the_newest_checkpoints_and_the_pinned_ones(run_copy: Path) -> 
     assert replay(run_copy, incident_id=1).reproduced
 
 
+def test_a_pinned_checkpoint_in_the_window_keeps_the_steps_after_it(run_copy: Path) -> None:
+    """Checkpoints 5 (pinned by the incident) and 10 are the newest two: with
+    keep_checkpoints = 2 both replay the steps after them, so steps 8 and 9 stay (the run's
+    only earlier checkpoint being pinned does not make them unreplayable)."""
+    import shutil
+
+    store = Store(run_copy)  # checkpoint 0 deleted as retention deletes one: row, then files
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE checkpoints SET deleted = TRUE WHERE step = 0"))
+    store.close()
+    shutil.rmtree(run_copy / "checkpoints/step-00000000")
+    kept = gc(run_copy, budget_bytes=1 << 40, keep_checkpoints=2)
+    assert kept.checkpoints_deleted == [] and kept.blobs_deleted == 5  # steps 0-4 only
+    assert replay(run_copy, step=9).reproduced
+    assert replay(run_copy, incident_id=1).reproduced and fsck(run_copy).ok
+
+
 def test_fsck_names_a_damaged_blob(run_copy: Path, capsys: pytest.CaptureFixture) -> None:
     digest = sorted(blob_rows(run_copy))[0]
     damage_blob(run_copy, digest)
