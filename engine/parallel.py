@@ -38,6 +38,25 @@ TRUNK_METHOD = "grpod_trunk"  # the FSDP-registered method the training forward 
 TIMEOUT = datetime.timedelta(minutes=10)  # a collective a peer never joins fails, never hangs
 
 
+def check(config: EngineConfig, world: int | None = None) -> None:
+    """What a sharded run of `config` over `world` ranks (default: `WORLD_SIZE`) refuses, as
+    preflight checks it before anything is created."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    mode = config.parallel if config.parallel != "auto" else ("fsdp2" if world > 1 else "none")
+    if mode == "none":
+        return
+    if config.prompts_per_step % world:
+        raise EngineError(
+            f"engine.prompts_per_step: {config.prompts_per_step} groups do not split "
+            f"evenly over {world} ranks"
+        )
+    if config.lora.rank:
+        raise EngineError(
+            f"engine.lora: LoRA adapters are not sharded by parallel = {mode!r} yet "
+            '(run one process, or parallel = "none" for a replica per rank)'
+        )
+
+
 @dataclass(frozen=True)
 class Parallel:
     """This process's place in the job: `mode`, `rank` of `world_size`, `local_rank`."""
@@ -59,11 +78,7 @@ class Parallel:
         mode = config.parallel if config.parallel != "auto" else ("fsdp2" if world > 1 else "none")
         if mode == "none":  # under torchrun too: each rank its own replica, no engine collective
             return cls("none")
-        if config.prompts_per_step % world:
-            raise EngineError(
-                f"engine.prompts_per_step: {config.prompts_per_step} groups do not split "
-                f"evenly over {world} ranks"
-            )
+        check(config, world)
         if mode == "fsdp2":
             join()
         return cls(mode, rank, world, local)

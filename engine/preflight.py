@@ -28,6 +28,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 def preflight(config: EngineConfig) -> None:
     """Raise EngineError on the first input problem a run of `config` would hit."""
+    from grpod.engine import parallel
+
+    parallel.check(config)  # under torchrun: what a sharded run refuses
     if config.rollout_backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise EngineError("rollout_backend vllm: vllm is not installed (pip install 'grpod[gpu]')")
     task = build_task(config.task, config.reward, config.long_prompt_batch_fraction)

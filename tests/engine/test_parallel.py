@@ -92,3 +92,22 @@ def test_the_torchrun_environment_is_checked_before_anything_is_built(monkeypatc
         Parallel.start(EngineConfig.model_validate(CONFIG))
     alone = Parallel.start(EngineConfig.model_validate({**CONFIG, "parallel": "none"}))
     assert (alone.mode, alone.rank, alone.world_size) == ("none", 0, 1)
+
+
+def test_config_check_under_a_sharding_world_refuses_lora(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`grpod run` preflights the same way on every rank before anything is created; `config
+    check` with torchrun's WORLD_SIZE shows it without a process group."""
+    from grpod.daemon.cli import main
+    from tests.daemon.helpers import write_config
+
+    config = write_config(
+        tmp_path / "grpod.toml", {"engine": dict(CONFIG), "engine.lora": {"rank": 4}}
+    )
+    assert main(["config", "check", str(config)]) == 0  # one process: LoRA is fine
+    capsys.readouterr()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["config", "check", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "engine.lora: LoRA adapters are not sharded" in err[0], err
