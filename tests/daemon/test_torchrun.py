@@ -20,10 +20,11 @@ from pathlib import Path
 from tests.daemon.helpers import GRPOD, free_port, http_get, parse_metrics, write_config
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-ENGINE = {  # W1c-sized steps in 4 sequence chunks, one row per micro: several micros per rank
-    "task": "copy",
-    "seq_len": 32,
+ENGINE = {  # W2 (long prompts, 256-token rows in 4 sequence chunks), one row per micro
+    "task": "kv-retrieval",
+    "seq_len": 256,
     "sequence_chunks": 4,
+    "lmhead_chunks": 4,
     "prompts_per_step": 4,
     "group_size": 4,
     "micro_batch_rows": 1,
