@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from grpod.engine.errors import EngineError
 from grpod.engine.kvcache import KVCacheSpec, default_sinks
 
 
@@ -282,3 +284,22 @@ def kv_retrieval_prompt_tokens(records: int) -> int:
 
 def _is_task(name: str) -> bool:
     return name.endswith(".jsonl") or name in BUILTIN_TASKS
+
+
+def check_parallel(config: EngineConfig, world: int | None = None) -> None:
+    """What a sharded run of `config` over `world` ranks (default: `WORLD_SIZE`) refuses, as
+    preflight checks it before anything is created."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    mode = config.parallel if config.parallel != "auto" else ("fsdp2" if world > 1 else "none")
+    if mode == "none":
+        return
+    if config.prompts_per_step % world:
+        raise EngineError(
+            f"engine.prompts_per_step: {config.prompts_per_step} groups do not split "
+            f"evenly over {world} ranks"
+        )
+    if config.lora.rank:
+        raise EngineError(
+            f"engine.lora: LoRA adapters are not sharded by parallel = {mode!r} yet "
+            '(run one process, or parallel = "none" for a replica per rank)'
+        )

@@ -29,32 +29,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from grpod.engine.errors import EngineError
+from grpod.engine.config import check_parallel
 
 if TYPE_CHECKING:
     from grpod.engine.config import EngineConfig
 
 TRUNK_METHOD = "grpod_trunk"  # the FSDP-registered method the training forward enters by
 TIMEOUT = datetime.timedelta(minutes=10)  # a collective a peer never joins fails, never hangs
-
-
-def check(config: EngineConfig, world: int | None = None) -> None:
-    """What a sharded run of `config` over `world` ranks (default: `WORLD_SIZE`) refuses, as
-    preflight checks it before anything is created."""
-    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
-    mode = config.parallel if config.parallel != "auto" else ("fsdp2" if world > 1 else "none")
-    if mode == "none":
-        return
-    if config.prompts_per_step % world:
-        raise EngineError(
-            f"engine.prompts_per_step: {config.prompts_per_step} groups do not split "
-            f"evenly over {world} ranks"
-        )
-    if config.lora.rank:
-        raise EngineError(
-            f"engine.lora: LoRA adapters are not sharded by parallel = {mode!r} yet "
-            '(run one process, or parallel = "none" for a replica per rank)'
-        )
 
 
 @dataclass(frozen=True)
@@ -78,7 +59,7 @@ class Parallel:
         mode = config.parallel if config.parallel != "auto" else ("fsdp2" if world > 1 else "none")
         if mode == "none":  # under torchrun too: each rank its own replica, no engine collective
             return cls("none")
-        check(config, world)
+        check_parallel(config, world)
         if mode == "fsdp2":
             join()
         return cls(mode, rank, world, local)

@@ -18,7 +18,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from grpod.engine.config import EngineConfig
+from grpod.engine.config import EngineConfig, check_parallel
 from grpod.engine.errors import EngineError
 from grpod.engine.tasks import Prompt, Task, build_task, load_reward
 from grpod.engine.tokenizer import CharTokenizer, encode_prompt, require_chat_template
@@ -28,9 +28,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 def preflight(config: EngineConfig) -> None:
     """Raise EngineError on the first input problem a run of `config` would hit."""
-    from grpod.engine import parallel
-
-    parallel.check(config)  # under torchrun: what a sharded run refuses
+    check_parallel(config)  # under torchrun (WORLD_SIZE): what a sharded run refuses
     if config.rollout_backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise EngineError("rollout_backend vllm: vllm is not installed (pip install 'grpod[gpu]')")
     task = build_task(config.task, config.reward, config.long_prompt_batch_fraction)
