@@ -3,13 +3,15 @@
 One campaign: start, SIGTERM to the torchrun agent mid-run (every rank finishes the step,
 checkpoints collectively with DCP and exits 0), resume from that checkpoint on the same
 world size, then replay the last step under torchrun (global loss, valid tokens and grad norm
-bit-exact) and one rank's part alone in one process (its local valid tokens and loss).
+bit-exact) and one rank's part alone in one process (its local valid tokens and loss); last, one
+process (world size 1) resumes the 2-rank checkpoint resharded, past a half-written one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -147,3 +149,23 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_p
         "valid_tokens": rank_1["valid_tokens"],
         "local_loss": rank_1["local_loss"],
     }
+
+    # a world size of 1 resumes the 2-rank DCP checkpoint (resharded: model, optimizer), past a
+    # half-written checkpoint directory a killed job would leave (never chosen, removed)
+    final = run_dir / "checkpoints" / f"step-{last + 1:08d}"
+    assert (final / ".metadata").is_file()
+    half = run_dir / "checkpoints" / f".step-{last + 5:08d}.tmp-99999"
+    shutil.copytree(final, half)
+    (half / ".metadata").unlink()
+    one = subprocess.run(
+        [GRPOD, "run", "--run-dir", str(run_dir), "--max-steps", str(last + 2)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    restored = events(one.stdout + one.stderr, "restored")[0]
+    assert restored["saved_world"] == 2 and "model, optimizer" in restored["kept"], restored
+    assert events(one.stdout + one.stderr, "started")[0]["resumed_from"] == last + 1
+    assert not half.exists()
