@@ -4,7 +4,8 @@ One campaign: start, SIGTERM to the torchrun agent mid-run (every rank finishes 
 checkpoints collectively with DCP and exits 0), resume from that checkpoint on the same
 world size, then replay the last step under torchrun (global loss, valid tokens and grad norm
 bit-exact) and one rank's part alone in one process (its local valid tokens and loss); last, one
-process (world size 1) resumes the 2-rank checkpoint resharded, past a half-written one.
+torchrun job loses a worker to SIGKILL (the agent tears it down), and one process (world size
+1) resumes the last complete 2-rank checkpoint resharded, past a half-written one.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def events(text: str, name: str) -> dict[int, dict]:
             event = json.loads(line)
             found[event["rank"]] = event
     return found
+
+
+def _json_lines(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines() if line.startswith("{")]
 
 
 def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_path) -> None:
@@ -150,15 +155,38 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_p
         "local_loss": rank_1["local_loss"],
     }
 
-    # a world size of 1 resumes the 2-rank DCP checkpoint (resharded: model, optimizer), past a
-    # half-written checkpoint directory a killed job would leave (never chosen, removed)
+    # SIGKILL of one worker: the agent tears the job down (no checkpoint after step last + 1)
+    log = tmp_path / "killed.log"
+    with open(log, "w") as out:
+        agent = subprocess.Popen(
+            torchrun("run", "--run-dir", str(run_dir), "--max-steps", "1000"),
+            env=ENV,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and agent.poll() is None:
+            started = events(log.read_text(), "started")
+            steps = [e["step"] for e in map(json.loads, _json_lines(log)) if e["event"] == "step"]
+            if len(started) == 2 and steps and max(steps) >= last + 2:
+                break
+            time.sleep(0.2)
+        os.kill(started[1]["pid"], signal.SIGKILL)
+        assert agent.wait(timeout=90) != 0
+    killed = [json.loads(line) for line in _json_lines(log)]
+    assert not [e for e in killed if e["event"] == "checkpoint"]  # no checkpoint after a failure
+    # rank 0 sees its peer gone at the next collective: exit 1 (systemd restarts), if it had time
+    assert {e["exit_code"] for e in killed if e["event"] == "stopped"} <= {1}
+
+    # a world size of 1 resumes the last complete 2-rank DCP checkpoint (resharded: model,
+    # optimizer), past a half-written checkpoint directory a killed job leaves (never chosen)
     final = run_dir / "checkpoints" / f"step-{last + 1:08d}"
     assert (final / ".metadata").is_file()
     half = run_dir / "checkpoints" / f".step-{last + 5:08d}.tmp-99999"
     shutil.copytree(final, half)
     (half / ".metadata").unlink()
     one = subprocess.run(
-        [GRPOD, "run", "--run-dir", str(run_dir), "--max-steps", str(last + 2)],
+        [GRPOD, "run", "--run-dir", str(run_dir), "--max-steps", str(last + 4)],
         env=ENV,
         capture_output=True,
         text=True,
@@ -167,5 +195,6 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_p
     assert one.returncode == 0, one.stderr[-3000:]
     restored = events(one.stdout + one.stderr, "restored")[0]
     assert restored["saved_world"] == 2 and "model, optimizer" in restored["kept"], restored
-    assert events(one.stdout + one.stderr, "started")[0]["resumed_from"] == last + 1
+    started = events(one.stdout + one.stderr, "started")[0]
+    assert started["resumed_from"] == last + 1 and started["rerun_through"] >= last + 2
     assert not half.exists()
