@@ -13,7 +13,7 @@ every rank is done, so a reader sees a complete checkpoint or none (a killed job
 Resume with the same world size restores everything; with another world size DCP reshards
 model and optimizer, every rank takes rank 0's rank-local state without its rollout cache,
 and `restored` says so. A one-process engine (`grpod replay --rank R`) loads a DCP checkpoint
-unsharded.
+unsharded, and `load_model_weights` gives `grpod export` the consolidated weights.
 """
 
 from __future__ import annotations
@@ -107,6 +107,21 @@ def load(
         obj.load_state_dict({**local, **shared[name]})
     kept = "everything" if same else "model, optimizer, schedule, cursor; rank 0's guard state"
     return {**extra, "restored": kept, "saved_world_size": saved_world}
+
+
+def load_model_weights(path: str | os.PathLike, params: dict[str, Any]) -> dict[str, Any]:
+    """The full model weights named in `params` (name -> a tensor of the shape wanted) from a
+    DCP checkpoint, in one process without a process group: the shards of every rank
+    consolidated (what `grpod export` writes as one Hugging Face directory)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    weights = {name: torch.empty_like(tensor) for name, tensor in params.items()}
+    try:
+        dcp.load({"engine": {"model": weights}}, checkpoint_id=str(path))
+    except Exception as exc:  # DCP raises its own CheckpointException
+        raise EngineError(f"checkpoint {path}: cannot load: {str(exc).splitlines()[0]}") from None
+    return weights
 
 
 def is_dcp(path: str | os.PathLike) -> bool:

@@ -3,7 +3,8 @@
 `export_pretrained(config, checkpoint, out)` writes `config.json`, `model.safetensors`,
 `generation_config.json` and the run's tokenizer (the model directory's own, or the built-in
 character tokenizer as a `tokenizers` WordLevel one) to `out`, built beside it and renamed
-into place, so `out` is complete or absent.
+into place, so `out` is complete or absent. A checkpoint written under torchrun (FSDP2, one
+DCP directory of every rank's shards) is consolidated into the same one directory.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from grpod.engine import distcp
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
 from grpod.engine.lora import apply_lora
@@ -32,16 +34,22 @@ def export_pretrained(
         raise EngineError("export --adapter: the run has no LoRA adapters ([engine.lora] rank 0)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise EngineError(f"export {out}: exists and is not an empty directory")
+    sharded = distcp.is_dcp(checkpoint)  # written under torchrun: every rank's shards
     weights_file = checkpoint / "model.safetensors"
-    if not weights_file.is_file():
+    if not sharded and not weights_file.is_file():
         raise EngineError(f"checkpoint {checkpoint}: missing model.safetensors")
     model, tokenizer = load_policy(config.model, task_chars(config.task), config.seq_len)
     adapters = apply_lora(model, config.lora, config.seed) if config.lora.rank else None
-    try:
-        weights = load_file(str(weights_file))
-    except Exception as exc:  # safetensors raises bare errors on truncated files
-        raise EngineError(f"checkpoint {checkpoint}: unreadable model.safetensors: {exc}") from None
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if sharded:
+        weights = distcp.load_model_weights(checkpoint, params)
+    else:
+        try:
+            weights = load_file(str(weights_file))
+        except Exception as exc:  # safetensors raises bare errors on truncated files
+            raise EngineError(
+                f"checkpoint {checkpoint}: unreadable model.safetensors: {exc}"
+            ) from None
     if set(weights) != set(params):
         raise EngineError(f"checkpoint {checkpoint}: weights do not match the run's model")
     with torch.no_grad():

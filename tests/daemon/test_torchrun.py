@@ -20,6 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+
+from grpod.engine import Engine, EngineConfig
 from tests.daemon.helpers import GRPOD, free_port, http_get, parse_metrics, write_config
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -198,3 +202,21 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_p
     started = events(one.stdout + one.stderr, "started")[0]
     assert started["resumed_from"] == last + 1 and started["rerun_through"] >= last + 2
     assert not half.exists()
+
+    # export consolidates the 2-rank shards into one Hugging Face directory
+    hf = tmp_path / "hf"
+    exported = subprocess.run(
+        [GRPOD, "export", "--run-dir", str(run_dir), "--step", str(last + 1), str(hf)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    weights = load_file(str(hf / "model.safetensors"))
+    engine = Engine(EngineConfig.model_validate({**ENGINE, "threads": 1}))
+    initial = {n: t.clone() for n, t in engine.model.state_dict().items()}
+    engine.load_checkpoint(final)  # one process reads the DCP checkpoint unsharded
+    state = engine.model.state_dict()
+    assert weights and all(torch.equal(t, state[n]) for n, t in weights.items())
+    assert any(not torch.equal(t, initial[n]) for n, t in weights.items())  # trained weights
