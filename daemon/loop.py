@@ -321,8 +321,6 @@ class Daemon:
     def _evaluate(self) -> None:
         """Held-out evaluation of the policy as it stands (engine/eval.py): stored, published
         and logged; the policy, the data cursor and the next batch are untouched."""
-        if self.engine.parallel.sharded:  # the rollout copy is synced before each rollout
-            self.engine.parallel.sync_rollout_copy(self.engine.model, self.engine.rollout_model)
         result = self.evaluator.run()
         self.recorder.note_eval(result.to_dict())
         self.metrics.observe_eval(result.step, result.rewards)

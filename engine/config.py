@@ -286,13 +286,13 @@ def _is_task(name: str) -> bool:
     return name.endswith(".jsonl") or name in BUILTIN_TASKS
 
 
-def check_parallel(config: EngineConfig, world: int | None = None) -> None:
-    """What a sharded run of `config` over `world` ranks (default: `WORLD_SIZE`) refuses, as
-    preflight checks it before anything is created."""
+def check_parallel(config: EngineConfig, world: int | None = None) -> str:
+    """The parallel mode of `config` over `world` ranks (default: `WORLD_SIZE`); EngineError
+    for what a sharded run refuses, as preflight checks it before anything is created."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
     mode = config.parallel if config.parallel != "auto" else ("fsdp2" if world > 1 else "none")
     if mode == "none":
-        return
+        return mode
     if config.prompts_per_step % world:
         raise EngineError(
             f"engine.prompts_per_step: {config.prompts_per_step} groups do not split "
@@ -303,3 +303,4 @@ def check_parallel(config: EngineConfig, world: int | None = None) -> None:
             f"engine.lora: LoRA adapters are not sharded by parallel = {mode!r} yet "
             '(run one process, or parallel = "none" for a replica per rank)'
         )
+    return mode

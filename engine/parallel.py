@@ -56,10 +56,9 @@ class Parallel:
         """Read the torchrun environment, check the config against it, join the group."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-        mode = config.parallel if config.parallel != "auto" else ("fsdp2" if world > 1 else "none")
+        mode = check_parallel(config, world)
         if mode == "none":  # under torchrun too: each rank its own replica, no engine collective
             return cls("none")
-        check_parallel(config, world)
         if mode == "fsdp2":
             join()
         return cls(mode, rank, world, local)

@@ -179,8 +179,6 @@ class Engine:
         with self._timed("rollout"):
             prompts = self.task.prompts_for_step(generation, cfg.prompts_per_step, cfg.seed)
             prompts, first = self.parallel.local_groups(prompts)  # whole groups per rank
-            if self.parallel.sharded:
-                self.parallel.sync_rollout_copy(self.model, self.rollout_model)
             prompt_ids = [self.encode_prompt(p.text) for p in prompts]
             out, completions, texts = self.generate(
                 [ids for ids in prompt_ids for _ in range(cfg.group_size)],
@@ -458,6 +456,8 @@ class Engine:
     ) -> tuple[Rollout, list[list[int]], list[str]]:
         """Sample one completion per prompt: the rollout (ended at a stop token or string),
         each completion's ids and the text its rewards see (before any stop string)."""
+        if self.parallel.sharded:  # the rollout copy takes the shards' current weights
+            self.parallel.sync_rollout_copy(self.model, self.rollout_model)
         out = cut_at_stop_strings(
             self._sample(prompts, seed, temperature), self.tokenizer, self.config.stop
         )

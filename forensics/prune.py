@@ -116,8 +116,6 @@ def prune(
             for checkpoint in old:
                 dropped.append(checkpoint)
                 retained.remove(checkpoint)
-        while total(start_of(), retained) > target and drop_oldest_unpinned():
-            pass
         start = start_of()
         doomed = sorted(set(sizes) - keep(start))
         report.kept_bytes = total(start, retained)
