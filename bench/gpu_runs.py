@@ -9,7 +9,8 @@
   with `CUBLAS_WORKSPACE_CONFIG=:4096:8`, and with that and
   `torch.use_deterministic_algorithms(True)` as well (set in the process before grpod runs);
 - `fsdp2`: the W1 campaign under `torchrun --nproc-per-node 1` with `[engine] parallel =
-  "fsdp2"`, once EngineConfig has that key (the scale-out issue); skipped before.
+  "fsdp2"` and a bf16 trunk (FSDP2's MixedPrecisionPolicy); skipped on a checkout whose
+  EngineConfig lacks that key.
 """
 
 from __future__ import annotations
@@ -332,7 +333,7 @@ def fsdp2(dry_run: bool) -> dict[str, Any]:
     reason = fsdp2_available()
     if reason is not None:
         return {"status": "skipped", "reason": reason}
-    engine = {**(TINY if dry_run else W1), "device": "cpu" if dry_run else "cuda"}
+    engine = {**TINY, "device": "cpu"} if dry_run else {**W1, "device": "cuda", "dtype": "bfloat16"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", GRPOD]
     with tempfile.TemporaryDirectory() as tmp:
         run = run_grpod(

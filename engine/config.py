@@ -167,7 +167,7 @@ class EngineConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     # scale-out (engine/parallel.py)
-    parallel: Literal["auto", "fsdp2", "none"] = Field(
+    parallel: Literal["auto", "fsdp2", "ddp", "none"] = Field(
         "auto", description="auto = fsdp2 under torchrun (WORLD_SIZE > 1), else none"
     )
     # reproducibility and threads
@@ -300,7 +300,7 @@ def check_parallel(config: EngineConfig, world: int | None = None) -> str:
         )
     if config.lora.rank:
         raise EngineError(
-            f"engine.lora: LoRA adapters are not sharded by parallel = {mode!r} yet "
+            f"engine.lora: LoRA adapters are not trained under parallel = {mode!r} yet "
             '(run one process, or parallel = "none" for a replica per rank)'
         )
     return mode

@@ -1,11 +1,12 @@
 """Checkpoints of `Stateful` objects under torchrun, with `torch.distributed.checkpoint` (DCP).
 
 `save(path, {"engine": engine, "guards": policy}, parallel)` is the one entry for every
-checkpoint: one process writes `engine/checkpoint.py`'s format; a sharded engine (FSDP2)
-writes one DCP directory collectively. There, the keys an object names in `DCP_KEYS` (the
-engine's `model` and `optimizer`, in DCP's FQN form) go through `dcp.save`, each rank its
-shards; everything else of every object is rank-local (data cursor, schedule, the guard
-windows of `GuardPolicy.state_dict`) and goes to `rank-R/` in checkpoint.py's format. Rank 0
+checkpoint: one process writes `engine/checkpoint.py`'s format; a distributed engine (FSDP2
+or DDP) writes one DCP directory collectively. There, the keys an object names in `DCP_KEYS`
+(the engine's `model` and `optimizer`, in DCP's FQN form) go through `dcp.save`, each rank
+its shards (DDP's replicated tensors: written once, by DCP's de-duplication); everything
+else of every object is rank-local (data cursor, schedule, the guard windows of
+`GuardPolicy.state_dict`) and goes to `rank-R/` in checkpoint.py's format. Rank 0
 builds the directory beside its final name (`grpod.fileio.atomic_dir`) and renames it once
 every rank is done, so a reader sees a complete checkpoint or none (a killed job leaves a
 `.step-N.tmp-<pid>` directory, which start-up removes).
@@ -40,8 +41,8 @@ def save(
     parallel: Parallel,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write `states` to directory `path`; sharded: collective, every rank the same `path`."""
-    if not parallel.sharded:
+    """Write `states` to directory `path`; distributed: collective, every rank the same `path`."""
+    if not parallel.distributed:
         return save_checkpoint(path, states, extra)
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -75,7 +76,7 @@ def load(
     with `restored`, what was kept, and `saved_world_size`)."""
     where = Path(path)
     if not is_dcp(where):
-        if parallel.sharded:
+        if parallel.distributed:
             raise EngineError(f"checkpoint {where}: not a torch.distributed.checkpoint directory")
         return load_checkpoint(where, states)
     import torch.distributed.checkpoint as dcp

@@ -18,9 +18,8 @@ from grpod.engine.batch import TransportBatch
 from grpod.engine.kvmask import cell_prompt_lengths, restrict_to_cache
 from grpod.engine.model import compute_context
 from grpod.engine.packing import attention_mask, causal_and_eye, first_fit_decreasing
-from grpod.engine.parallel import is_sharded
-from grpod.engine.trunk import trunk_states
-from grpod.engine.trunk import unsupported as trunk_unsupported
+from grpod.engine.parallel import is_replicated, is_sharded
+from grpod.engine.trunk import trunk_hidden
 
 
 @dataclass(frozen=True)
@@ -106,9 +105,9 @@ def run_trunk(
     """Trunk states `[positions run + 1, H]` (last row zeros) and the layout's source, on
     `device`: `hidden[source[p]]` is the state of micro position p.
 
-    Qwen2 / Llama in FP32 run `engine.trunk.trunk_states` (bit-identical to the Hugging Face
-    forward, without its plumbing); anything else, and an FSDP2-sharded model, the Hugging
-    Face forward.
+    An FSDP2-sharded model runs the Hugging Face forward through FSDP's hooks, the DDP
+    trunk (`Parallel.replicate`) through DDP's forward; either way, and for one process,
+    the states come from `trunk_hidden`'s forward.
     """
     input_ids = layout.input_ids.to(device)
     position_ids = layout.position_ids.to(device)
@@ -116,15 +115,10 @@ def run_trunk(
     with compute_context(dtype, device):
         if is_sharded(model):  # through FSDP's hooks: they gather and reduce the shards
             hidden = model.grpod_trunk(input_ids, position_ids, mask)
-        elif trunk_unsupported(model, dtype) is None:
-            hidden = trunk_states(model, input_ids, position_ids, mask)
+        elif is_replicated(model):  # through DDP's forward: its reducer sees the backward
+            hidden = model(input_ids, position_ids, mask)
         else:
-            hidden = model.base_model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=mask,
-                use_cache=False,
-            ).last_hidden_state
+            hidden = trunk_hidden(model, input_ids, position_ids, mask, dtype)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     hidden = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[-1])])
     return hidden, layout.source.to(device)

@@ -4,9 +4,11 @@ One process per device (`torchrun --nproc-per-node N grpod run ...`): NCCL on CU
 the CPU. `[engine] parallel = "fsdp2"` (the default when `WORLD_SIZE > 1`) shards the policy
 with `torch.distributed.fsdp.fully_shard` per decoder layer and the root; FP32 master weights,
 and under `dtype = "bfloat16"` `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`.
-FSDP's gradient averaging is neutralised (divide factor 1, plain SUM reductions) because the
-engine divides by the step's *global* valid-token count itself, so an N-rank step equals the
-one-process step on the same global batch.
+`parallel = "ddp"` keeps a full replica per rank and wraps the training trunk in
+`DistributedDataParallel` (one gradient all-reduce per step, at the rank's last trunk pass).
+FSDP's and DDP's gradient averaging is neutralised (divide factor 1 and plain SUM reductions;
+a SUM comm hook) because the engine divides by the step's *global* valid-token count itself,
+so an N-rank step equals the one-process step on the same global batch.
 
 What the engine keeps per rank under FSDP2:
 - the trained model is sharded (its parameters are DTensors); it runs only through the
@@ -16,6 +18,9 @@ What the engine keeps per rank under FSDP2:
   rollouts differ in length never wait on each other; `sync_rollout_copy` refreshes it
   from the shards (one all-gather per parameter) before every rollout;
 - the weights guard checks each rank's local shards; the policy max-reduces its verdict.
+
+Under DDP the replica is the rollout model itself (every rank applies the same update), so
+there is no copy to refresh; the DCP checkpoint path is the same as FSDP2's.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from grpod.engine.config import check_parallel
+from grpod.engine.trunk import trunk_hidden
 
 if TYPE_CHECKING:
     from grpod.engine.config import EngineConfig
@@ -42,14 +48,20 @@ TIMEOUT = datetime.timedelta(minutes=10)  # a collective a peer never joins fail
 class Parallel:
     """This process's place in the job: `mode`, `rank` of `world_size`, `local_rank`."""
 
-    mode: str  # "fsdp2" | "none"
+    mode: str  # "fsdp2" | "ddp" | "none"
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
 
     @property
     def sharded(self) -> bool:
+        """FSDP2: the trained model's parameters are this rank's shards."""
         return self.mode == "fsdp2"
+
+    @property
+    def distributed(self) -> bool:
+        """A data-parallel job: one global count, collective checkpoints (fsdp2 or ddp)."""
+        return self.mode != "none"
 
     @classmethod
     def start(cls, config: EngineConfig) -> Parallel:
@@ -59,13 +71,13 @@ class Parallel:
         mode = check_parallel(config, world)
         if mode == "none":  # under torchrun too: each rank its own replica, no engine collective
             return cls("none")
-        if mode == "fsdp2":
-            join()
+        join()
         return cls(mode, rank, world, local)
 
     def device(self, name: str) -> str:
         """One device per rank: `cuda` under torchrun is `cuda:LOCAL_RANK`."""
-        return f"cuda:{self.local_rank}" if self.sharded and name in ("cuda", "auto") else name
+        wanted = self.distributed and name in ("cuda", "auto")
+        return f"cuda:{self.local_rank}" if wanted else name
 
     # ----------------------------------------------------------------- data
     def local_groups(self, prompts: list) -> tuple[list, int]:
@@ -98,6 +110,21 @@ class Parallel:
         register_fsdp_forward_method(model, TRUNK_METHOD)
         return model
 
+    def replicate(self, model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+        """The training trunk of `model` under `DistributedDataParallel`, gradients SUMmed.
+
+        `model` stays the engine's model (optimizer, head, checkpoints); the wrapper only
+        owns the trunk forward so DDP's reducer sees every backward. Buffers are not
+        broadcast per forward: they are the same constants on every rank."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.local_rank] if next(model.parameters()).is_cuda else None
+        wrapped = DistributedDataParallel(
+            _Trunk(model, dtype), device_ids=device_ids, broadcast_buffers=False
+        )
+        wrapped.register_comm_hook(None, _sum_hook)
+        return wrapped
+
     @torch.no_grad()
     def sync_rollout_copy(self, sharded: torch.nn.Module, copy: torch.nn.Module) -> None:
         """Copy the full weights of `sharded` into the unsharded `copy` (every rank, in order)."""
@@ -108,7 +135,7 @@ class Parallel:
     # ----------------------------------------------------------------- collectives
     def gather(self, values: list[float]) -> list[list[float]]:
         """Every rank's `values` (float64: integer counts stay exact below 2**53)."""
-        if not self.sharded:
+        if not self.distributed:
             return [list(values)]
         mine = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
@@ -117,7 +144,7 @@ class Parallel:
 
     def max_int(self, value: int) -> int:
         """The max of `value` over every rank."""
-        if not self.sharded:
+        if not self.distributed:
             return value
         tensor = torch.tensor([value], dtype=torch.int64, device=self._comm_device())
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
@@ -155,6 +182,30 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 def is_sharded(model: torch.nn.Module) -> bool:
     return hasattr(model, TRUNK_METHOD)
+
+
+def is_replicated(model: torch.nn.Module) -> bool:
+    """The DDP-wrapped training trunk of `Parallel.replicate`."""
+    return isinstance(getattr(model, "module", None), _Trunk)
+
+
+class _Trunk(torch.nn.Module):
+    """The trunk forward of a causal LM as a module of its own, for DDP to wrap."""
+
+    def __init__(self, model: torch.nn.Module, dtype: str) -> None:
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        return trunk_hidden(self.model, input_ids, position_ids, attention_mask, self.dtype)
+
+
+def _sum_hook(_state, bucket):  # no annotations: DDP checks them as objects, not strings
+    """DDP's all-reduce of a `dist.GradBucket` without its division by the world size."""
+    future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return future.then(lambda done: done.value()[0])
 
 
 def _hf_trunk(

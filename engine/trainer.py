@@ -7,7 +7,7 @@ import hashlib
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,12 @@ class Engine:
         self.rollout_model = self.model
         if self.parallel.sharded:
             self.model = self.parallel.shard(trained, config.dtype)
+        # the module the training trunk runs through: DDP's wrapper, or the model itself
+        self.train_trunk = (
+            self.parallel.replicate(self.model, config.dtype)
+            if self.parallel.mode == "ddp"
+            else self.model
+        )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -223,7 +229,7 @@ class Engine:
             batch = replace(batch, kv_cache=self.kv_cache, kv_cache_stats=out.cache_stats)
             if function_rewards:
                 batch = replace(batch, function_rewards=function_rewards)
-            if self.parallel.sharded:
+            if self.parallel.distributed:
                 batch = replace(batch, rank=self.parallel.rank, world_size=self.parallel.world_size)
         if cfg.epochs > 1:  # one scoring pass per generation, reused by every epoch
             with self._timed("score"):
@@ -249,21 +255,27 @@ class Engine:
             stats = StepStats()
             self.counter.start_step()
             passes = list(trunk_passes(batch, joint=self.config.dtype == "float32"))
-            # FSDP's collectives run per pass: every rank runs as many (a short one adds zeros)
-            extra_passes = self.parallel.max_int(len(passes)) - len(passes)
-            for micros, layout in passes:
-                hidden, source = run_trunk(self.model, layout, self.config.dtype, self.device)
-                per_micro = source.numel() // len(micros)
-                pass_loss = hidden.new_zeros((), dtype=torch.float32)
-                for k, micro in enumerate(micros):
-                    micro_source = source[k * per_micro : (k + 1) * per_micro]
-                    micro_loss = self._chunk_losses(
-                        batch, micro, hidden, micro_source, reference, stats
+            # FSDP's collectives run per pass: every rank runs as many (a short one adds zeros);
+            # DDP's one all-reduce runs at each rank's last pass
+            extra_passes = 0
+            if self.parallel.sharded:
+                extra_passes = self.parallel.max_int(len(passes)) - len(passes)
+            for i, (micros, layout) in enumerate(passes):
+                with self._grad_sync(i == len(passes) - 1):
+                    hidden, source = run_trunk(
+                        self.train_trunk, layout, self.config.dtype, self.device
                     )
-                    micro_loss = self.faults.micro_loss(batch.step, micro, micro_loss)
-                    stats.micro_loss_sums.append(micro_loss.detach())
-                    pass_loss = pass_loss + micro_loss
-                pass_loss.backward()
+                    per_micro = source.numel() // len(micros)
+                    pass_loss = hidden.new_zeros((), dtype=torch.float32)
+                    for k, micro in enumerate(micros):
+                        micro_source = source[k * per_micro : (k + 1) * per_micro]
+                        micro_loss = self._chunk_losses(
+                            batch, micro, hidden, micro_source, reference, stats
+                        )
+                        micro_loss = self.faults.micro_loss(batch.step, micro, micro_loss)
+                        stats.micro_loss_sums.append(micro_loss.detach())
+                        pass_loss = pass_loss + micro_loss
+                    pass_loss.backward()
             for _ in range(extra_passes):
                 self._zero_pass(passes[0][1])
             valid_tokens = self.counter.value
@@ -280,6 +292,8 @@ class Engine:
             torch._foreach_mul_(grads, token_scale)
             self.faults.grads(batch.step, grads)
             grad_norm = total_norm(grads)
+            if self.parallel.mode == "ddp":  # replicas: the worst rank's norm decides for all
+                grad_norm = _worst([norm for (norm,) in self.parallel.gather([grad_norm])])
         report = stats.report(
             batch,
             valid_tokens=valid_tokens,
@@ -416,6 +430,12 @@ class Engine:
                 return self.score(batch)
         return self.score(batch, self.reference)
 
+    def _grad_sync(self, last: bool) -> AbstractContextManager:
+        """DDP: gradients accumulate locally until the rank's last pass, which all-reduces."""
+        if last or self.train_trunk is self.model:
+            return nullcontext()
+        return self.train_trunk.no_sync()
+
     def _zero_pass(self, layout: TrunkLayout) -> None:
         """A forward + backward that adds exact zeros to every gradient the real passes touch:
         it keeps a rank with fewer trunk passes in step with FSDP's per-pass collectives."""
@@ -544,7 +564,7 @@ class Engine:
         model and optimizer in torch.distributed.checkpoint's form (`get_state_dict`)."""
         if self._pending is not None:
             raise EngineError(f"step {self._pending.step} is still pending (apply or flush it)")
-        if self.parallel.sharded or fqn:
+        if self.parallel.distributed or fqn:
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
             model, optimizer = get_state_dict(self.model, self.optimizer)
@@ -649,3 +669,8 @@ def step_seed(seed: int, step: int, rank: int = 0) -> int:
     text = f"grpod:{seed}:{step}" + (f":{rank}" if rank else "")
     digest = hashlib.sha256(text.encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _worst(norms: list[float]) -> float:
+    """The largest of `norms`, NaN if any is NaN (a NaN never compares larger)."""
+    return math.nan if any(math.isnan(n) for n in norms) else max(norms)

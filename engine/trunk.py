@@ -81,6 +81,23 @@ def trunk_states(
     return _rms_norm(x, base.norm)
 
 
+def trunk_hidden(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    mask: torch.Tensor,
+    dtype: str,
+) -> torch.Tensor:
+    """The final-norm hidden states of an unsharded model: Qwen2 / Llama in FP32 through
+    `engine.trunk.trunk_states` (bit-identical to the Hugging Face forward, without its
+    plumbing), anything else through the Hugging Face forward."""
+    if unsupported(model, dtype) is None:
+        return trunk_states(model, input_ids, position_ids, mask)
+    return model.base_model(
+        input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False
+    ).last_hidden_state
+
+
 def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     return rms_norm(x, (norm.weight, norm.variance_epsilon))
 

@@ -1,9 +1,11 @@
-"""One rank of the 2-process FSDP2 test, run as
+"""One rank of the 2-process FSDP2 and DDP test, run as
 `torchrun --nproc-per-node 2 -m tests.engine.parallel_worker OUT`.
 
-Step 0 is applied and its batch, report and the updated full weights are written for the
-one-process comparison; step 1 has a NaN loss and step 2 an infinite gradient, each on rank 1
-only: both ranks must flush with their shards and AdamW state bit-identical; step 3 applies.
+For each of `parallel = "fsdp2"` and `"ddp"` (in one process group, one after the other):
+step 0 is applied and its batch, report and the updated full weights are written to
+OUT/MODE/ for the one-process comparison; step 1 has a NaN loss and step 2 an infinite
+gradient, each on rank 1 only: both ranks must flush with their weights (shards or replica)
+and AdamW state bit-identical; step 3 applies; then a DCP checkpoint and the final weights.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
@@ -29,13 +32,24 @@ CONFIG = dict(
     faults={"nan_loss_steps": [1], "inf_grad_steps": [2], "ranks": [1]},
     threads=1,
 )
+MODES = ("fsdp2", "ddp")
 
 
 def main(out: Path) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        engine = Engine(EngineConfig.model_validate(CONFIG))
+    modes = {}
+    for mode in MODES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine = Engine(EngineConfig.model_validate({**CONFIG, "parallel": mode}))
+        modes[mode] = run_steps(engine, out / mode)
+    print(json.dumps({"rank": engine.parallel.rank, "modes": modes}), flush=True)
+    dist.barrier()  # neither rank tears the group down while the other still uses it
+    dist.destroy_process_group()
+
+
+def run_steps(engine: Engine, out: Path) -> list[dict]:
     rank = engine.parallel.rank
+    out.mkdir(exist_ok=True)
     policy = GuardPolicy()
     steps = []
     for step in range(4):
@@ -53,12 +67,18 @@ def main(out: Path) -> None:
         if step == 0:
             batch.save(out / f"batch-{rank}.safetensors")
             (out / f"report-{rank}.json").write_text(json.dumps(report.to_dict()))
-            full = {n: p.full_tensor() for n, p in engine.model.named_parameters()}
-            if rank == 0:
-                save_file(full, str(out / "weights.safetensors"))
-    print(json.dumps({"rank": rank, "steps": steps}), flush=True)
-    dist.barrier()  # neither rank tears the group down while the other still uses it
-    dist.destroy_process_group()
+            full = {n: _full(p) for n, p in engine.model.named_parameters()}
+            save_file(full, str(out / f"weights-{rank}.safetensors"))
+    engine.save_checkpoint(out / "checkpoint")  # collective: DCP
+    full = {n: _full(p) for n, p in engine.model.named_parameters()}  # collective: FSDP2
+    if rank == 0:
+        save_file(full, str(out / "final.safetensors"))
+    return steps
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter: an FSDP2 shard gathered, a DDP replica as it is."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param.detach().clone()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""FSDP2 under a real `torchrun --nproc-per-node 2` (gloo, CPU) against one process.
+"""FSDP2 and DDP under a real `torchrun --nproc-per-node 2` (gloo, CPU) against one process.
 
 The 2-rank step and the one-process step on the same global batch (both ranks' batches, one
 after the other) agree on loss, valid tokens, grad norm and the updated weights to FP32
-rounding; a fault on rank 1 only flushes the step on both ranks, shards untouched.
+rounding; a fault on rank 1 only flushes the step on both ranks, weights untouched.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from grpod.engine import Engine, EngineConfig, EngineError, StepReport, TransportBatch
-from tests.engine.parallel_worker import CONFIG
+from tests.engine.parallel_worker import CONFIG, MODES
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -42,19 +43,32 @@ def torchrun(module: str, *args: str, nproc: int = 2, timeout: float = 240) -> l
     return sorted(lines, key=lambda line: line["rank"])
 
 
-def test_two_fsdp2_ranks_equal_one_process_and_a_rank_1_fault_flushes_both(tmp_path) -> None:
+def test_two_ranks_equal_one_process_and_a_rank_1_fault_flushes_both(tmp_path) -> None:
     ranks = torchrun("tests.engine.parallel_worker", str(tmp_path))
     assert [r["rank"] for r in ranks] == [0, 1]
-    for r in ranks:
-        assert [s["outcome"] for s in r["steps"]] == ["applied", "flushed", "flushed", "applied"]
-        assert [s["untouched"] for s in r["steps"]] == [False, True, True, False]
-        assert all("finite" in s["guards"] for s in r["steps"][1:3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        initial = Engine(EngineConfig.model_validate({**CONFIG, "faults": {}})).state_dict()
+    for mode in MODES:
+        for r in ranks:
+            steps = r["modes"][mode]
+            assert [s["outcome"] for s in steps] == ["applied", "flushed", "flushed", "applied"]
+            assert [s["untouched"] for s in steps] == [False, True, True, False]
+            assert all("finite" in s["guards"] for s in steps[1:3])
+        _equals_one_process(tmp_path / mode, mode, initial)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine = Engine(EngineConfig.model_validate({**CONFIG, "faults": {}}))
+        engine.load_checkpoint(tmp_path / mode / "checkpoint")  # one process reads DCP
+        final = load_file(str(tmp_path / mode / "final.safetensors"))
+        assert all(torch.equal(p, final[n]) for n, p in engine.model.named_parameters()), mode
 
+
+def _equals_one_process(out: Path, mode: str, initial: dict) -> None:
     reports = [
-        StepReport.from_dict(json.loads((tmp_path / f"report-{r}.json").read_text()))
-        for r in (0, 1)
+        StepReport.from_dict(json.loads((out / f"report-{r}.json").read_text())) for r in (0, 1)
     ]
-    batches = [TransportBatch.load(tmp_path / f"batch-{r}.safetensors") for r in (0, 1)]
+    batches = [TransportBatch.load(out / f"batch-{r}.safetensors") for r in (0, 1)]
     assert [(b.rank, b.world_size) for b in batches] == [(0, 2), (1, 2)]
     assert set(batches[0].group_ids.unique().tolist()) - {-1} == {0, 1}  # whole groups per rank
     assert set(batches[1].group_ids.unique().tolist()) - {-1} == {2, 3}
@@ -68,17 +82,22 @@ def test_two_fsdp2_ranks_equal_one_process_and_a_rank_1_fault_flushes_both(tmp_p
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = Engine(EngineConfig.model_validate({**CONFIG, "faults": {}}))
-    assert engine.parallel.world_size == 1 and not engine.parallel.sharded
+    assert engine.parallel.world_size == 1 and not engine.parallel.distributed
+    engine.load_state_dict(initial)
     one = engine.accumulate(TransportBatch.concat(batches))
     engine.apply()
     assert one.valid_tokens == reports[0].global_valid_tokens
     assert abs(one.loss - reports[0].loss) <= RTOL * abs(one.loss)
     assert abs(one.grad_norm - reports[0].grad_norm) <= RTOL * one.grad_norm
-    sharded = load_file(str(tmp_path / "weights.safetensors"))
-    assert set(sharded) == {n for n, _ in engine.model.named_parameters()}
-    worst = max(float((p - sharded[n]).abs().max()) for n, p in engine.model.named_parameters())
+    rank_weights = [load_file(str(out / f"weights-{r}.safetensors")) for r in (0, 1)]
+    assert set(rank_weights[0]) == {n for n, _ in engine.model.named_parameters()}
+    worst = max(
+        float((p.detach() - weights[n]).abs().max())
+        for weights in rank_weights
+        for n, p in engine.model.named_parameters()
+    )
     print(
-        f"loss {one.loss!r} vs {reports[0].loss!r}; grad norm {one.grad_norm!r} vs "
+        f"{mode}: loss {one.loss!r} vs {reports[0].loss!r}; grad norm {one.grad_norm!r} vs "
         f"{reports[0].grad_norm!r}; weights max |diff| {worst:.3g}"
     )
     assert worst <= WEIGHTS_ATOL, worst
@@ -110,4 +129,4 @@ def test_config_check_under_a_sharding_world_refuses_lora(
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["config", "check", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "engine.lora: LoRA adapters are not sharded" in err[0], err
+    assert len(err) == 1 and "engine.lora: LoRA adapters are not trained under" in err[0], err
