@@ -31,19 +31,27 @@ def list_incidents(run_dir: str | os.PathLike, store_url: str = "") -> list[dict
 def show_incident(
     run_dir: str | os.PathLike, incident_id: int, store_url: str = ""
 ) -> dict[str, Any]:
-    """The incident with its verdict, findings and the step's full report."""
+    """The incident with its verdict, findings and the step's full report; `ranks`: each
+    rank's part of its first and its worst step when distributed, by step and rank."""
     store = Store(run_dir, store_url, create=False)
     try:
         store.check_schema()
         with store.session() as session:
             incident = store.incident(session, incident_id)
             step = session.get(Step, incident.step_id)
+            pinned = dict.fromkeys(filter(None, (incident.step_id, incident.worst_step_id)))
+            ranks = [
+                {"step": row.step, **record.to_dict()}
+                for row in (session.get(Step, step_id) for step_id in pinned)
+                for record in store.step_ranks(session, row)
+            ]
             return {
                 **_summary(session, incident),
                 "verdict": json.loads(incident.verdict_json),
                 "findings": json.loads(incident.findings_json),
                 "batch_digest": step.batch_digest,
                 "report": json.loads(step.report_json),
+                "ranks": ranks,
             }
     finally:
         store.close()

@@ -1,7 +1,8 @@
 """The store's tables (SQLAlchemy 2 declarative). Migrations in `migrations/` create them.
 
 Scalar columns are for querying; `steps.report_json` is the authoritative record of a step
-(SQLite stores a NaN REAL as NULL, the JSON keeps it as "nan").
+and `step_ranks.report_json` of one rank's part of it (SQLite stores a NaN REAL as NULL, the
+JSON keeps it as "nan").
 """
 
 from __future__ import annotations
@@ -93,6 +94,37 @@ class Step(Base):
     completion_length_max: Mapped[int] = mapped_column(Integer)
     num_micros: Mapped[int] = mapped_column(Integer)
     num_samples: Mapped[int] = mapped_column(Integer)
+
+
+class StepRank(Base):
+    """One rank's part of a recorded distributed step (schema 0005): its micros and samples
+    in the step's global batch blob (`TransportBatch.part(rank)`), its counts and local loss.
+
+    Rows exist only for a step recorded with `rank_reports`; a re-run step's record has its
+    own. `batch_digest` is the step's: a rank's batch is a slice of the one global blob, so
+    whatever keeps the step's blob (an incident's pin) keeps every rank's batch.
+    """
+
+    __tablename__ = "step_ranks"
+    __table_args__ = (
+        Index("ux_step_ranks_step_rank", "step_id", "rank", unique=True),
+        Index("ix_step_ranks_run_step_rank", "run_id", "step", "rank"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    step_id: Mapped[int] = mapped_column(ForeignKey("steps.id", ondelete="CASCADE"))
+    run_id: Mapped[str] = mapped_column(String(128))
+    step: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    batch_digest: Mapped[str | None] = mapped_column(String(64))  # the step's blobs.sha256
+    first_micro: Mapped[int] = mapped_column(Integer)  # [first_micro, +num_micros) of the blob
+    num_micros: Mapped[int] = mapped_column(Integer)
+    first_sample: Mapped[int] = mapped_column(Integer)  # [first_sample, +num_samples)
+    num_samples: Mapped[int] = mapped_column(Integer)
+    valid_tokens: Mapped[int] = mapped_column(Integer)  # the rank's local count
+    expected_valid_tokens: Mapped[int] = mapped_column(Integer)
+    local_loss: Mapped[float | None] = mapped_column(Float)  # loss sum / global valid tokens
+    report_json: Mapped[str] = mapped_column(Text)  # the rank's `rank_reports` dict
 
 
 class Checkpoint(Base):

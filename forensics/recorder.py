@@ -7,11 +7,12 @@ holding up to `queue_size` of a group's batches (and HOLD_BYTES) in memory, beyo
 stages them early. At the commit each batch blob is serialised: one of at most
 `inline_blob_bytes` into memory, for its row; a larger one into a temp file, and every such
 file is fsynced and renamed into place, the directory fsynced once. Then one transaction adds
-the blob rows (with the inline bytes) and the step rows: a group of small batches costs one
-fsync of the store, not one per batch. A step that opens an incident (an episode of a
-finding, forensics/episodes.py) commits its group at once; so do a noted checkpoint (the
-steps before it first), `drain()` and `close()`. A crash loses at most the uncommitted
-steps, all after the last noted checkpoint, which a resumed run re-runs.
+the blob rows (with the inline bytes), the step rows and, for a distributed step, a row per
+rank naming its slice of the step's global blob (forensics/ranks.py): a group of small
+batches costs one fsync of the store, not one per batch. A step that opens an incident (an
+episode of a finding, forensics/episodes.py) commits its group at once; so do a noted
+checkpoint (the steps before it first), `drain()` and `close()`. A crash loses at most the
+uncommitted steps, all after the last noted checkpoint, which a resumed run re-runs.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from grpod.forensics.blobs import BlobStore, StagedBlob
 from grpod.forensics.config import ForensicsConfig, action_rank
 from grpod.forensics.episodes import Episode, EpisodeTracker, Observation, write_episode
 from grpod.forensics.errors import ForensicsError
-from grpod.forensics.models import Blob, Checkpoint, Eval, Run, Step
+from grpod.forensics.models import Blob, Checkpoint, Eval, Run, Step, StepRank
+from grpod.forensics.ranks import rank_columns
 from grpod.forensics.store import Store
 from grpod.jsonsafe import from_json, to_json
 
@@ -46,6 +48,7 @@ HOLD_BYTES = 64 * 1024**2  # batch bytes a commit group may hold in memory befor
 
 _STEP_INSERT = insert(Step)
 _BLOB_INSERT = insert(Blob)
+_RANK_INSERT = insert(StepRank)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class _Staged:
     blob: StagedBlob
     row: dict[str, Any]  # the steps row
     seen: Observation | None  # the episodes the step opened, extended or closed
+    ranks: list[dict[str, Any]]  # its step_ranks rows without step_id ([]: one process)
 
 
 _STOP = object()
@@ -343,11 +347,13 @@ class FlightRecorder:
             recorded_at=_now(),
             **scalars,
         )
-        return _Staged(blob, row, item.seen)
+        keys = dict(run_id=self.run_id, step=report["step"], batch_digest=blob.digest)
+        ranks = [{**keys, **columns} for columns in rank_columns(report)]
+        return _Staged(blob, row, item.seen, ranks)
 
     def _commit(self) -> None:
         """Publish the group's blobs (fsync, rename, one directory fsync), then commit its
-        blob rows, step rows and incidents in one transaction."""
+        blob rows, step rows, rank rows and incidents in one transaction."""
         if not self._group:
             return
         self._stage_held()
@@ -374,6 +380,7 @@ class FlightRecorder:
             if missing:
                 conn.execute(_BLOB_INSERT, missing)
             plain: list[dict[str, Any]] = []  # rows that need no id: one executemany
+            ranks: list[dict[str, Any]] = []  # rank rows of the group's distributed steps
             touched: dict[int, Episode] = {}  # by id(): each episode written once per group
             affected = 0
             for staged in group:
@@ -381,7 +388,7 @@ class FlightRecorder:
                 if seen is not None:
                     touched.update((id(e), e) for e in seen.touched)
                     affected += seen.affected
-                if seen is None or not seen.needs_step_id:
+                if not staged.ranks and (seen is None or not seen.needs_step_id):
                     plain.append(staged.row)
                     continue
                 if plain:
@@ -389,6 +396,9 @@ class FlightRecorder:
                     plain = []
                 # bound parameters: the compiled INSERT is cached, not rebuilt from 40 literals
                 step_id = conn.execute(_STEP_INSERT, staged.row).inserted_primary_key[0]
+                ranks += [{**rank, "step_id": step_id} for rank in staged.ranks]
+                if seen is None:
+                    continue
                 for episode in seen.opened:
                     episode.first_step_id = episode.worst_step_id = step_id
                     episode.verdict_json = staged.row["verdict_json"]
@@ -396,6 +406,8 @@ class FlightRecorder:
                     episode.worst_step_id = step_id
             if plain:
                 conn.execute(_STEP_INSERT, plain)
+            if ranks:
+                conn.execute(_RANK_INSERT, ranks)
             for episode in touched.values():
                 opened += episode.incident_id is None
                 write_episode(session, self.store, self.run_id, episode)

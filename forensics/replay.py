@@ -10,8 +10,9 @@ A distributed step (recorded as its global batch, `TransportBatch.part(rank)` ea
 under `torchrun --nproc-per-node N grpod replay` every rank runs its own part and the global
 loss, global valid tokens and grad norm are compared; `grpod replay --rank R` (one process)
 runs rank R's part of the target divided by the recorded global count and compares that
-rank's local valid tokens and local loss (the steps before it run as one process on the
-global batch: bit-exact when the checkpoint is the target's own, else to FP32 rounding).
+rank's local valid tokens and local loss, as its `step_ranks` row recorded them (the steps
+before it run as one process on the global batch: bit-exact when the checkpoint is the
+target's own, else to FP32 rounding).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Step
+from grpod.forensics.ranks import RankRecord
 from grpod.forensics.store import Store
 from grpod.jsonsafe import from_json, to_json
 
@@ -76,6 +78,7 @@ class _Planned:
     row: Step
     report: StepReport
     batch: TransportBatch
+    ranks: list[RankRecord] = field(default_factory=list)  # the target's only
 
 
 def replay(
@@ -96,6 +99,7 @@ def replay(
     try:
         store.check_schema()
         config, versions, checkpoint, plan = _plan(store, step, incident_id)
+        recorded_rank = None if rank is None else _rank_of(plan[-1], rank)
         engine = _restore(store, config, checkpoint)
     finally:
         store.close()
@@ -110,7 +114,8 @@ def replay(
         replayed = _rerun(engine, item, is_target, mine, alone=mine is not None and part is None)
         compared = is_target or rank is None  # --rank: the steps before run only to get there
         if compared and item.row.outcome != Outcome.SKIPPED and diverged_at is None:
-            diverged_field = _first_difference(item.report, replayed, rank if is_target else None)
+            own = recorded_rank if is_target else None
+            diverged_field = _first_difference(item.report, replayed, own)
             if diverged_field is not None:
                 diverged_at = item.report.step
         if progress is not None:
@@ -121,7 +126,7 @@ def replay(
     return ReplayResult(
         reproduced=reproduced,
         step=target.report.step,
-        recorded=_fields(target.report, rank),
+        recorded=_fields(target.report, recorded_rank),
         replayed=_fields(replayed, None, local=rank is not None) if replayed is not None else {},
         classification=("persistent" if bad else "healthy") if reproduced else "transient",
         diverged_at=diverged_at,
@@ -132,7 +137,11 @@ def replay(
         steps_replayed=len(plan),
         incident_id=incident_id,
         note=_note(target, versions, rank, len(plan)),
-        trace=_trace(target.report, replayed, rank) if trace and replayed is not None else None,
+        trace=(
+            _trace(target.report, replayed, recorded_rank)
+            if trace and replayed is not None
+            else None
+        ),
     )
 
 
@@ -169,6 +178,7 @@ def _plan(
                 f"{checkpoint.step} to step {target.step}"
             )
         plan = [_load(session, blobs, row) for row in ordered]
+        plan[-1] = replace(plan[-1], ranks=store.step_ranks(session, target))
         run = store.run(session, target.run_id)
         config, versions = json.loads(run.config_json), json.loads(run.versions_json)
         session.expunge_all()
@@ -292,8 +302,16 @@ def as_run(batch: TransportBatch, micro_order: list[int]) -> TransportBatch:
     return batch if order == identity else batch.reorder(order)
 
 
+def _rank_of(target: _Planned, rank: int) -> RankRecord:
+    """Rank `rank`'s record of the target step (its `step_ranks` row)."""
+    for record in target.ranks:
+        if record.rank == rank:
+            return record
+    raise ForensicsError(f"step {target.report.step}: no rank {rank} (not a distributed step)")
+
+
 def _first_difference(
-    recorded: StepReport, replayed: StepReport, rank: int | None = None
+    recorded: StepReport, replayed: StepReport, rank: RankRecord | None = None
 ) -> str | None:
     """The first compared field that differs (`rank`: that rank's local fields)."""
     mine, theirs = _fields(recorded, rank), _fields(replayed, None, local=rank is not None)
@@ -320,23 +338,22 @@ def bit_equal(a: float | int, b: float | int) -> bool:
     return struct.pack("<d", a) == struct.pack("<d", b)
 
 
-def _fields(report: StepReport, rank: int | None, local: bool = False) -> dict[str, Any]:
+def _fields(report: StepReport, rank: RankRecord | None, local: bool = False) -> dict[str, Any]:
     """The compared numbers: global valid tokens, loss, grad norm; `rank` (recorded) or
     `local` (replayed): one rank's local valid tokens and local loss."""
     if rank is not None:
-        if not 0 <= rank < len(report.rank_reports):
-            raise ForensicsError(f"step {report.step}: no rank {rank} (not a distributed step)")
-        row = report.rank_reports[rank]
-        return {"valid_tokens": row["valid_tokens"], "local_loss": to_json(row["local_loss"])}
+        return {"valid_tokens": rank.valid_tokens, "local_loss": to_json(rank.local_loss)}
     if local:
         return {"valid_tokens": report.valid_tokens, "local_loss": to_json(report.local_loss)}
     values = (_global_valid(report), report.loss, report.grad_norm)
     return {name: to_json(v) for name, v in zip(COMPARED, values)}
 
 
-def _trace(recorded: StepReport, replayed: StepReport, rank: int | None) -> list[dict[str, Any]]:
+def _trace(
+    recorded: StepReport, replayed: StepReport, rank: RankRecord | None
+) -> list[dict[str, Any]]:
     if rank is not None:  # that rank's own recorded trace
-        chunks = [ChunkTrace(**c) for c in recorded.rank_reports[rank]["chunk_trace"]]
+        chunks = [ChunkTrace(**c) for c in rank.report["chunk_trace"]]
         recorded = replace(recorded, chunk_trace=chunks)
     rows = []
     for index in range(max(len(recorded.chunk_trace), len(replayed.chunk_trace))):

@@ -1,4 +1,5 @@
-"""`fsck` (every referenced blob exists and verifies) and `gc` (prune within a size budget).
+"""`fsck` (every referenced blob exists and verifies, every distributed step's rank rows add
+up) and `gc` (prune within a size budget).
 
 What retention keeps and how it prunes is forensics/prune.py (the daemon runs it after every
 checkpoint; `gc` runs it on demand).
@@ -6,6 +7,7 @@ checkpoint; `gc` runs it on demand).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -14,7 +16,7 @@ from sqlalchemy import select
 
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.errors import ForensicsError
-from grpod.forensics.models import Blob, Checkpoint, Step
+from grpod.forensics.models import Blob, Checkpoint, Step, StepRank
 from grpod.forensics.prune import GcReport, leftovers, pins, prune, retention_start
 from grpod.forensics.store import Store
 
@@ -36,8 +38,8 @@ class FsckReport:
 
 
 def fsck(run_dir: str | os.PathLike, store_url: str = "") -> FsckReport:
-    """Check every blob (its file or inline bytes: there, size, digest) and every incident's
-    pins."""
+    """Check every blob (its file or inline bytes: there, size, digest), every distributed
+    step's rank rows (forensics/ranks.py) and every incident's pins."""
     store = Store(run_dir, store_url, create=False)
     blobs = BlobStore(store.run_dir)
     report = FsckReport()
@@ -49,6 +51,7 @@ def fsck(run_dir: str | os.PathLike, store_url: str = "") -> FsckReport:
         with store.session() as session:
             report.problems += _unbacked_steps(store, session)
             rows = {b.sha256: b for b in session.scalars(select(Blob).order_by(Blob.sha256))}
+            counts: dict[str, tuple[int, int]] = {}  # digest -> (micros, samples), verified
             for digest, row in rows.items():
                 report.blobs_checked += 1
                 if not row.path:  # inline: the row holds the bytes
@@ -61,7 +64,7 @@ def fsck(run_dir: str | os.PathLike, store_url: str = "") -> FsckReport:
                         )
                     else:
                         try:
-                            blobs.verify(digest, data)
+                            counts[digest] = _counts(blobs, digest, data)
                         except ForensicsError as exc:
                             report.problems.append(str(exc))
                     continue
@@ -76,9 +79,10 @@ def fsck(run_dir: str | os.PathLike, store_url: str = "") -> FsckReport:
                     )
                     continue
                 try:
-                    blobs.verify(digest)
+                    counts[digest] = _counts(blobs, digest)
                 except ForensicsError as exc:
                     report.problems.append(str(exc))
+            report.problems += _rank_problems(store, session, counts)
             for incident, pinned in pins(store, session):
                 for step in pinned:
                     # a live writer may have committed this blob after `rows` was read
@@ -144,3 +148,58 @@ def _unbacked_steps(store: Store, session: Any) -> list[str]:
     if not orphans:
         return []
     return [f"{len(orphans)} steps from step {start} on name a missing batch (first: {orphans[0]})"]
+
+
+def _counts(blobs: BlobStore, digest: str, data: bytes | None = None) -> tuple[int, int]:
+    """`(micros, samples)` of a blob that verifies (ForensicsError when it does not)."""
+    tensors, _ = blobs.read(digest, data)
+    return int(tensors["input_ids"].shape[0]), int(tensors["rewards"].shape[0])
+
+
+def _rank_problems(store: Store, session: Any, counts: dict[str, tuple[int, int]]) -> list[str]:
+    """Distributed steps whose rank rows do not add up to the step (see `_rank_mismatches`)."""
+    rows = session.scalars(
+        select(StepRank)
+        .where(StepRank.run_id.in_(store.run_ids(session)))
+        .order_by(StepRank.step_id, StepRank.rank)
+    ).all()
+    by_step: dict[int, list[StepRank]] = {}
+    for row in rows:
+        by_step.setdefault(row.step_id, []).append(row)
+    problems = []
+    for step_id, ranks in by_step.items():
+        step = session.get(Step, step_id)
+        problems += _rank_mismatches(step, ranks, counts.get(step.batch_digest or ""))
+    return problems
+
+
+def _rank_mismatches(
+    step: Step, ranks: list[StepRank], counts: tuple[int, int] | None
+) -> list[str]:
+    """A step's rank rows must be ranks 0..N-1 of its world size, name its blob, sum to its
+    global valid tokens, and their micro and sample ranges tile its blob (`counts`, the
+    blob's micros and samples; None when it is pruned or damaged: then only in order)."""
+    report = json.loads(step.report_json)
+    where = f"step {step.step} (record {step.id})"
+    out = []
+    world = int(report.get("world_size", 1))
+    if [r.rank for r in ranks] != list(range(world)):
+        out.append(f"{where}: rank rows {[r.rank for r in ranks]}, world size {world}")
+    other = sorted({r.batch_digest or "" for r in ranks} - {step.batch_digest or ""})
+    if other:
+        out.append(f"{where}: rank rows name blob {other[0]}, the step {step.batch_digest}")
+    valid, total = sum(r.valid_tokens for r in ranks), report.get("global_valid_tokens")
+    if total is None:  # a skipped step gathers no global count: its own (0) stands for it
+        total = report.get("valid_tokens")
+    if valid != total:
+        out.append(f"{where}: rank rows sum to {valid} valid tokens, global_valid_tokens {total}")
+    for index, what in enumerate(("micro", "sample")):
+        spans = [(getattr(r, f"first_{what}"), getattr(r, f"num_{what}s")) for r in ranks]
+        starts = [sum(n for _, n in spans[:i]) for i in range(len(spans))]
+        size = None if counts is None else counts[index]
+        if [s for s, _ in spans] == starts and size in (None, sum(n for _, n in spans)):
+            continue
+        ranges = ", ".join(f"[{s}, {s + n})" for s, n in spans)
+        of = "its blob" if size is None else f"the blob's {size} {what}s"
+        out.append(f"{where}: rank {what} ranges {ranges} do not tile {of}")
+    return out

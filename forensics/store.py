@@ -22,7 +22,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from grpod.forensics.config import run_dir_config
 from grpod.forensics.errors import ForensicsError
-from grpod.forensics.models import Checkpoint, Eval, Incident, Run, Step
+from grpod.forensics.models import Checkpoint, Eval, Incident, Run, Step, StepRank
+from grpod.forensics.ranks import RankRecord, rank_records
 
 SQLITE_NAME = "grpod.sqlite"
 ALEMBIC_INI = Path(__file__).with_name("alembic.ini")
@@ -286,6 +287,15 @@ class Store:
         if row is None:
             raise ForensicsError(f"step {step}: not recorded in {self.run_dir}")
         return row
+
+    def step_ranks(self, session: Session, step: Step) -> list[RankRecord]:
+        """Each rank's part of the step record `step`, by rank ([] for a one-process step):
+        its `step_ranks` rows, or for a record before schema 0005 its report's ranks. A
+        re-run's record has its own (the latest of a step: `latest_step`)."""
+        rows = session.scalars(
+            select(StepRank).where(StepRank.step_id == step.id).order_by(StepRank.rank)
+        ).all()
+        return rank_records(list(rows), step.report_json)
 
     def incident(self, session: Session, incident_id: int) -> Incident:
         row = session.get(Incident, incident_id)

@@ -185,6 +185,13 @@ def _incidents_show(args: argparse.Namespace) -> int:
     report = detail["report"]
     for name in ("loss", "valid_tokens", "expected_valid_tokens", "grad_norm", "reward_mean"):
         print(f"  {name:<22} {report.get(name)}")
+    for rank in detail["ranks"]:  # a distributed step: each rank's slice of the blob
+        print(
+            f"  step {rank['step']} rank {rank['rank']:<3} valid_tokens "
+            f"{rank['valid_tokens']:<6} expected {rank['expected_valid_tokens']:<6} "
+            f"local_loss {rank['local_loss']!s:<24} micros {rank['num_micros']} "
+            f"from {rank['first_micro']}"
+        )
     print(f"  batch blob {detail['batch_digest']}")
     for sample in samples:
         parts = " ".join(f"{k}={v:g}" for k, v in sample["rewards"].items())
