@@ -4,10 +4,12 @@
 run dir; rank 0 resolves the plan (fresh or resume, run id, config) and the others take it
 from rank 0, so no rank can decide differently or see a half-created directory. Each step
 every rank's batch and report go to rank 0 (`gather_step`), which records the step once:
-the global batch (every rank's micros in rank order, `TransportBatch.rank_micros`) and rank
-0's report with every rank's scalars and phase seconds (`rank_reports`). A stop signal takes
+the global batch (every rank's micros in rank order, `TransportBatch.rank_micros`) as one
+blob, rank 0's report with every rank's scalars and phase seconds (`rank_reports`), and a
+`step_ranks` row per rank naming its slice of that blob (forensics/ranks.py). A stop signal takes
 effect on all ranks at the same step boundary (`agree_stop`), so none waits in a collective
-for a peer that left.
+for a peer that left. Metrics: every rank writes prometheus_client's multiprocess files
+into the run dir (`use_multiprocess_metrics`, daemon/metrics.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from grpod.daemon.errors import ConfigError
@@ -32,6 +35,17 @@ def world_size() -> int:
 
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def use_multiprocess_metrics(run_dir: str | os.PathLike) -> Path:
+    """Point prometheus_client's multiprocess mode at this node's directory in `run_dir`
+    (`<run dir>/prometheus/node-<GROUP_RANK>`); before prometheus_client is imported, which
+    chooses its value class once, from the environment."""
+    if "prometheus_client.values" in sys.modules:
+        raise RuntimeError("prometheus_client was imported before its multiprocess directory")
+    path = Path(run_dir).resolve() / "prometheus" / f"node-{os.environ.get('GROUP_RANK', '0')}"
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    return path
 
 
 def agree(resolve: Callable[[], T]) -> T:

@@ -28,7 +28,13 @@ from grpod.daemon.config import GrpodConfig, load_config
 from grpod.daemon.errors import BAD_INPUT_ERRORS, ConfigError
 from grpod.daemon.exitcodes import EXIT_FAILURE, EXIT_HALT, EXIT_OK, exit_by_signal
 from grpod.daemon.health import Health, HealthServer
-from grpod.daemon.metrics import Metrics, mark_process_dead, serving_registry
+from grpod.daemon.metrics import (
+    Metrics,
+    RankMetrics,
+    mark_process_dead,
+    prepare_multiproc_dir,
+    serving_registry,
+)
 from grpod.daemon.notify import Notifier
 from grpod.daemon.progress import Progress, wanted
 from grpod.daemon.retention import Retention
@@ -64,7 +70,8 @@ class Daemon:
         self.health = Health(cfg.health_max_step_age_seconds)
         self.versions = _versions()
         self.registry = CollectorRegistry()
-        self.metrics = Metrics(self.registry, self.versions)
+        self.metrics: Metrics | None = None  # rank 0's, made in _start
+        self.rank_metrics: RankMetrics | None = None  # every rank's own
         self.server: HealthServer | None = None
         if cfg.metrics and os.environ.get("LOCAL_RANK", "0") == "0":
             try:  # bound before anything is created: a taken port is a config error
@@ -114,6 +121,17 @@ class Daemon:
             self.signals.restore()
             logs.clear()
 
+    def _start_metrics(self) -> None:
+        """Rank 0: the step's metrics; every rank: its own. Under torchrun the node's local
+        rank 0 first empties its multiprocess directory; no rank has a metric before that."""
+        if distributed.world_size() > 1 and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                prepare_multiproc_dir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+            distributed.barrier()
+        if self.rank == 0:
+            self.metrics = Metrics(self.registry, self.versions)
+        self.rank_metrics = RankMetrics(self.registry, self.rank)
+
     def _failed_to_start(self, exc: BaseException) -> int:
         """A system failure before the first step (a full disk): one line, exit 1."""
         if isinstance(exc, OSError) and exc.strerror:
@@ -145,6 +163,7 @@ class Daemon:
             self.recorder = NoRecorder()
         self._retention = Retention(cfg.forensics)
         distributed.barrier()
+        self._start_metrics()
         restored = self._restore()
         if self.progress is not None:
             self.progress.start = self.engine.step
@@ -231,23 +250,27 @@ class Daemon:
         rerun = report.step <= self.last_recorded
         phases = dict(result.phase_seconds)
         engine_phases = dict(phases)
+        # every rank's own numbers before the gather: once rank 0's grpod_step moves, a
+        # scrape never sees a rank's a step behind
+        self.rank_metrics.observe(report, engine_phases)
         started = time.perf_counter()
         step = distributed.gather_step(result)  # rank 0: every rank's batch and report
         if step is not None:
             self.recorder.record(*step, verdict, outcome, rerun=rerun)
         phases["record"] = time.perf_counter() - started
 
-        if step is not None:  # before grpod_step moves: a scrape never sees them a step behind
-            self.metrics.observe_ranks(step[1], engine_phases)
-        self.metrics.observe_step(report, verdict, outcome, phases, policy.gradnorm_vtc_correlation)
-        self.metrics.observe_recorder(
-            self.recorder.queue_depth,
-            self.recorder.blocked_total,
-            self.recorder.incidents_total,
-            self.recorder.uncommitted_steps,
-            incident_steps_total=self.recorder.incident_steps_total,
-            incidents_open=self.recorder.open_incidents,
-        )
+        if self.metrics is not None:
+            self.metrics.observe_step(
+                report, verdict, outcome, phases, policy.gradnorm_vtc_correlation
+            )
+            self.metrics.observe_recorder(
+                self.recorder.queue_depth,
+                self.recorder.blocked_total,
+                self.recorder.incidents_total,
+                self.recorder.uncommitted_steps,
+                incident_steps_total=self.recorder.incident_steps_total,
+                incidents_open=self.recorder.open_incidents,
+            )
         self.last_verdict = _verdict_text(verdict)
         self.last_step = report.step
         fields: dict[str, Any] = {
@@ -304,7 +327,8 @@ class Daemon:
         self.recorder.note_checkpoint(step, path)  # queued after the steps before it
         seconds = time.perf_counter() - started
         self.checkpointed_step = step
-        self.metrics.phase_seconds.labels("checkpoint").observe(seconds)
+        if self.metrics is not None:
+            self.metrics.phase_seconds.labels("checkpoint").observe(seconds)
         self.log.info(
             "checkpoint", reason=reason, path=str(path), seconds=round(seconds, 6), linked=linked
         )
@@ -323,8 +347,9 @@ class Daemon:
         and logged; the policy, the data cursor and the next batch are untouched."""
         result = self.evaluator.run()
         self.recorder.note_eval(result.to_dict())
-        self.metrics.observe_eval(result.step, result.rewards)
-        self.metrics.phase_seconds.labels("eval").observe(result.seconds)
+        if self.metrics is not None:
+            self.metrics.observe_eval(result.step, result.rewards)
+            self.metrics.phase_seconds.labels("eval").observe(result.seconds)
         self.log.info("eval", **result.to_dict())
 
     def _reload_guards(self) -> None:
@@ -354,7 +379,8 @@ class Daemon:
         )
         self.notifier.stopping(f"{state}: {reason}")
         self.health.stop(reason)
-        self.metrics.halted.set(int(code == EXIT_HALT))
+        if self.metrics is not None:
+            self.metrics.halted.set(int(code == EXIT_HALT))
         (self.log.error if code == EXIT_HALT else self.log.info)(
             "stopping", reason=reason, exit_code=code
         )
@@ -366,14 +392,15 @@ class Daemon:
         except Exception as exc:  # a store that failed must not hide the reason we stop
             self.log.error("recorder close failed", error=str(exc))
             code = code or EXIT_FAILURE
-        self.metrics.observe_recorder(
-            0,
-            self.recorder.blocked_total,
-            self.recorder.incidents_total,
-            self.recorder.uncommitted_steps,  # 0 unless the close failed
-            incident_steps_total=self.recorder.incident_steps_total,
-            incidents_open=self.recorder.open_incidents,
-        )
+        if self.metrics is not None:
+            self.metrics.observe_recorder(
+                0,
+                self.recorder.blocked_total,
+                self.recorder.incidents_total,
+                self.recorder.uncommitted_steps,  # 0 unless the close failed
+                incident_steps_total=self.recorder.incident_steps_total,
+                incidents_open=self.recorder.open_incidents,
+            )
         self._publish_status(state, reason=reason, exit_code=code)
         extra: dict[str, Any] = {}
         if self.config.daemon.state_digest_on_exit:

@@ -1,19 +1,31 @@
 """Prometheus metrics: a `Metrics` object on a registry given to it (names in the contracts).
 
 Every value a step publishes comes from the same `StepReport` and `Verdict` the flight
-recorder stores, so a scrape matches the store's last step. Under torchrun each rank writes
-prometheus_client's multiprocess files (`PROMETHEUS_MULTIPROC_DIR`) and the serving rank
-exposes them through a `MultiProcessCollector` (see `serving_registry`).
+recorder stores, so a scrape matches the store's last step.
+
+Under torchrun every rank writes prometheus_client's multiprocess files: `grpod run` points
+`PROMETHEUS_MULTIPROC_DIR` at `<run dir>/prometheus/node-<GROUP_RANK>` before
+prometheus_client is imported (`distributed.use_multiprocess_metrics`); the node's local
+rank 0 empties it at start (`prepare_multiproc_dir`) before any rank creates a metric, and
+serves the node's files on its one endpoint (`serving_registry`). Rank 0 alone publishes
+`Metrics` (the step's global numbers: a counter written by every rank would be summed N
+times); every rank publishes its own `RankMetrics`, labelled by `rank`, and
+`grpod_rank_up{rank}` turns 0 once that rank's process is gone (its other series keep their
+last values).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 from grpod.engine.report import StepReport
 from grpod.engine.verdict import Outcome, Verdict
@@ -149,15 +161,9 @@ class Metrics:
         )
         for kind in ("checkpoint", "batch"):
             self.pruned_total.labels(kind)
-        # under torchrun: the loss divisor, and each rank's own numbers (rank: < world size)
+        # under torchrun: the loss divisor (each rank's own numbers: RankMetrics)
         self.global_valid_tokens = gauge(
             "global_valid_tokens", "The step's valid tokens over every rank (the loss divisor)"
-        )
-        self.rank_valid_tokens = gauge(
-            "rank_valid_tokens", "Each rank's step-accumulated valid-token count", ("rank",)
-        )
-        self.rank_phase_seconds = gauge(
-            "rank_phase_duration_seconds", "Each rank's last step, by phase", ("rank", "phase")
         )
         self.halted = gauge("halted", "1 once a HALT verdict stopped the run", mode="max")
         self.verdict_action = gauge("verdict_action", "Last verdict: 0 PASS .. 3 HALT")
@@ -193,6 +199,8 @@ class Metrics:
         for name, stats in report.reward_functions.items():
             self._child(self.reward_function_mean, name).set(_number(stats["mean"]))
             self._child(self.reward_function_std, name).set(_number(stats["std"]))
+        total = report.global_valid_tokens
+        self.global_valid_tokens.set(_number(report.valid_tokens if total is None else total))
         self._child(self.steps_total, outcome).inc()
         for finding in verdict.findings:
             self.findings_total.labels(finding.guard, _action_name(finding.action)).inc()
@@ -221,18 +229,6 @@ class Metrics:
         for name, value in rewards.items():
             self._child(self.eval_reward, name).set(_number(value))
         self.eval_step.set(step)
-
-    def observe_ranks(self, report: Any, phases: dict[str, float]) -> None:
-        """Each rank's numbers (`report.rank_reports`, gathered by rank 0; one process: its own,
-        with this process's engine `phases`)."""
-        total = report.global_valid_tokens
-        self.global_valid_tokens.set(_number(report.valid_tokens if total is None else total))
-        one = {"rank": report.rank, "valid_tokens": report.valid_tokens}  # one process: rank 0
-        for row in report.rank_reports or [{**one, "phase_seconds": phases}]:
-            rank = str(row["rank"])
-            self._child(self.rank_valid_tokens, rank).set(row["valid_tokens"])
-            for phase, seconds in row["phase_seconds"].items():
-                self._child(self.rank_phase_seconds, rank, phase).set(seconds)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, looked up once (labels() validates and locks per call)."""
@@ -273,15 +269,118 @@ class Metrics:
         self._child(self.pruned_total, "batch").inc(report.blobs_deleted)
 
 
-def serving_registry(registry: CollectorRegistry) -> CollectorRegistry:
-    """What /metrics serves: `registry`, or every rank's files in multiprocess mode."""
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        return registry
-    from prometheus_client import multiprocess
+class RankMetrics:
+    """One rank's own numbers (`rank`: < world size; one process: rank 0), written by that
+    rank: under torchrun into the node's multiprocess files, served by local rank 0."""
 
-    merged = CollectorRegistry()
-    multiprocess.MultiProcessCollector(merged)
+    def __init__(self, registry: CollectorRegistry, rank: int) -> None:
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+            return Gauge(
+                f"grpod_rank_{name}",
+                doc,
+                ("rank", *labels),
+                registry=registry,
+                multiprocess_mode="mostrecent",
+            )
+
+        self.rank = str(rank)
+        # "all": the series keeps the writer's pid, so the server can tell a dead rank's
+        up = Gauge(
+            "grpod_rank_up",
+            "1 while the rank's process is alive, 0 once it is gone",
+            ("rank",),
+            registry=registry,
+            multiprocess_mode="all",
+        )
+        up.labels(self.rank).set(1)
+        self.step = gauge("step", "Last step the rank finished").labels(self.rank)
+        self.valid_tokens = gauge(
+            "valid_tokens", "The rank's step-accumulated valid-token count"
+        ).labels(self.rank)
+        self.expected_valid_tokens = gauge(
+            "expected_valid_tokens", "Host-side sum of the rank's loss mask"
+        ).labels(self.rank)
+        self.last_step_timestamp = gauge(
+            "last_step_timestamp_seconds", "Unix time the rank finished its last step"
+        ).labels(self.rank)
+        self.phase_seconds = gauge(
+            "phase_duration_seconds", "The rank's last step, by phase", ("phase",)
+        )
+        self._phases: dict[str, Any] = {}
+
+    def observe(
+        self, report: StepReport, phases: dict[str, float], now: float | None = None
+    ) -> None:
+        """This rank's report of a finished step and its engine's phase seconds."""
+        self.valid_tokens.set(report.valid_tokens)
+        self.expected_valid_tokens.set(report.expected_valid_tokens)
+        for phase, seconds in phases.items():
+            child = self._phases.get(phase)
+            if child is None:
+                child = self._phases[phase] = self.phase_seconds.labels(self.rank, phase)
+            child.set(seconds)
+        self.step.set(report.step)
+        self.last_step_timestamp.set(time.time() if now is None else now)
+
+
+def prepare_multiproc_dir(path: str | os.PathLike) -> None:
+    """Empty (or create) `path`: the files of an earlier start's processes are not this
+    run's. Local rank 0 does it before any rank of the node creates a metric."""
+    shutil.rmtree(path, ignore_errors=True)
+    Path(path).mkdir(parents=True)
+
+
+def serving_registry(registry: CollectorRegistry) -> CollectorRegistry:
+    """What /metrics serves: `registry`, or the node's multiprocess files."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path:
+        return registry
+    merged = CollectorRegistry(auto_describe=False)
+    merged.register(NodeCollector(path))
     return merged
+
+
+class NodeCollector:
+    """Every rank's multiprocess files in `path`, merged; `grpod_rank_up` per rank (no pid
+    label), 0 for a rank whose writing process no longer exists on this node."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = str(path)
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client import multiprocess
+
+        if not os.path.isdir(self.path):  # before local rank 0 has prepared it
+            return
+        files = [str(p) for p in Path(self.path).glob("*.db")]
+        for metric in multiprocess.MultiProcessCollector.merge(files, accumulate=True):
+            if metric.name == "grpod_rank_up":
+                metric.samples = _ranks_up(metric.samples)
+            yield metric
+
+
+def _ranks_up(samples: list[Any]) -> list[Any]:
+    """One sample per rank: 1 if any process that wrote it is alive, else 0."""
+    up: dict[str, Any] = {}
+    for sample in samples:
+        labels = {k: v for k, v in sample.labels.items() if k != "pid"}
+        alive = float(sample.value > 0 and _alive(int(sample.labels.get("pid", "0"))))
+        rank = labels.get("rank", "")
+        if rank not in up or alive > up[rank].value:
+            up[rank] = sample._replace(labels=labels, value=alive)
+    return [up[rank] for rank in sorted(up, key=lambda r: (len(r), r))]
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        return True
+    return True
 
 
 def mark_process_dead() -> None:

@@ -152,24 +152,62 @@ def test_skipped_step_counts_no_completions() -> None:
     assert values["grpod_completions_total"] == 0
 
 
-def test_multiprocess_mode(tmp_path: Path) -> None:
-    """Under torchrun every rank writes PROMETHEUS_MULTIPROC_DIR; one serves them all."""
-    code = f"""
-import sys; sys.path[:0] = {sys.path!r}
-from prometheus_client import CollectorRegistry, generate_latest
-from grpod.daemon.metrics import Metrics, serving_registry
+RANK = """
+import sys; sys.path[:0] = {path!r}
+from prometheus_client import CollectorRegistry
+from grpod.daemon.metrics import Metrics, RankMetrics
 from grpod.guards import Action, Verdict
 from tests.daemon.test_metrics import report
-registry = CollectorRegistry()
-metrics = Metrics(registry)
-metrics.observe_step(report(step=5), Verdict(Action.PASS, []), "applied", {{"grad": 0.1}})
-print(generate_latest(serving_registry(registry)).decode())
+registry, rank = CollectorRegistry(), {rank}
+mine = report(step=5, valid_tokens=100 + rank, expected_valid_tokens=100 + rank)
+if rank == 0:  # rank 0 alone publishes the step's numbers
+    Metrics(registry).observe_step(mine, Verdict(Action.PASS, []), "applied", {{"grad": 0.1}})
+RankMetrics(registry, rank).observe(mine, {{"grad": 0.5 + rank}})
+print("ready", flush=True)
+sys.stdin.read()
 """
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    ).stdout
-    values = parse_metrics(out)
+
+
+def test_multiprocess_mode_serves_every_rank_and_marks_a_dead_one(tmp_path: Path) -> None:
+    """Under torchrun every rank writes the node's PROMETHEUS_MULTIPROC_DIR, local rank 0
+    serves them all: the step's numbers once (rank 0's), each rank's labelled, and a rank
+    whose process is gone shows `grpod_rank_up` 0."""
+    from grpod.daemon.metrics import prepare_multiproc_dir
+
+    path = tmp_path / "prometheus" / "node-0"
+    path.mkdir(parents=True)
+    (path / "counter_99999999.db").write_bytes(b"an earlier start's")
+    prepare_multiproc_dir(path)  # local rank 0, before any rank creates a metric
+    assert list(path.iterdir()) == []
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(path)}
+    ranks = []
+    for rank in (0, 1):
+        child = subprocess.Popen(
+            [sys.executable, "-c", RANK.format(path=sys.path, rank=rank)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout.readline().strip() == "ready"
+        ranks.append(child)
+    try:
+        ranks[1].kill()  # SIGKILL: no clean-up of its own
+        ranks[1].wait(timeout=10)
+        from grpod.daemon.metrics import serving_registry
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+        try:
+            text = generate_latest(serving_registry(CollectorRegistry())).decode()
+        finally:
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    finally:
+        ranks[0].communicate("", timeout=10)
+    values = parse_metrics(text)
     assert values["grpod_step"] == 5 and values["grpod_loss"] == 0.25
-    assert values['grpod_steps_total{outcome="applied"}'] == 1
-    assert any(p.name.startswith("gauge_") for p in tmp_path.iterdir())
+    assert values['grpod_steps_total{outcome="applied"}'] == 1  # not once per rank
+    assert values['grpod_rank_up{rank="0"}'] == 1 and values['grpod_rank_up{rank="1"}'] == 0
+    assert [values[f'grpod_rank_valid_tokens{{rank="{r}"}}'] for r in (0, 1)] == [100, 101]
+    assert values['grpod_rank_phase_duration_seconds{phase="grad",rank="1"}'] == 1.5
+    assert values['grpod_rank_step{rank="1"}'] == 5
+    assert "pid=" not in text

@@ -114,10 +114,22 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_p
         assert agent.wait(timeout=180) == 0, log.read_text()[-3000:]
     started = events(log.read_text(), "started")
     assert [started[r]["resumed_from"] for r in (0, 1)] == [stop_step, stop_step]
+    # every rank's multiprocess files, of this start's processes only (emptied at start)
+    files = list((run_dir / "prometheus" / "node-0").glob("*.db"))
+    assert {int(f.stem.rsplit("_", 1)[1]) for f in files} == {started[r]["pid"] for r in (0, 1)}
+    assert [scraped[f'grpod_rank_up{{rank="{r}"}}'] for r in (0, 1)] == [1, 1]
 
     with sqlite3.connect(run_dir / "grpod.sqlite") as db:
         rows = db.execute("SELECT step, report_json FROM steps ORDER BY step, id").fetchall()
+        ranks = db.execute(
+            "SELECT step, rank, valid_tokens FROM step_ranks ORDER BY step, rank"
+        ).fetchall()
     assert [s for s, _ in rows] == list(range(last + 1))  # every step recorded once, by rank 0
+    assert [(s, r) for s, r, _ in ranks] == [(s, r) for s in range(last + 1) for r in (0, 1)]
+    by_step = {s: [v for t, _, v in ranks if t == s] for s in range(last + 1)}
+    assert all(
+        by_step[s] == [r["valid_tokens"] for r in json.loads(t)["rank_reports"]] for s, t in rows
+    )
     for _, text_report in rows:
         report = json.loads(text_report)
         assert [r["rank"] for r in report["rank_reports"]] == [0, 1]
