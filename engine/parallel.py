@@ -16,7 +16,7 @@ What the engine keeps per rank under FSDP2:
 - an unsharded *rollout copy* of the policy in one flat buffer (engine/flat.py): the fused
   decoder, scoring and the reference pass run on it with no collective, so ranks whose
   rollouts differ in length never wait on each other; `sync_rollout_copy` refreshes it
-  from the shards (one all-gather per parameter) before every rollout;
+  from the shards (one all-gather of every parameter's shard) before every rollout;
 - the weights guard checks each rank's local shards; the policy max-reduces its verdict.
 
 Under DDP the replica is the rollout model itself (every rank applies the same update), so
@@ -127,10 +127,35 @@ class Parallel:
 
     @torch.no_grad()
     def sync_rollout_copy(self, sharded: torch.nn.Module, copy: torch.nn.Module) -> None:
-        """Copy the full weights of `sharded` into the unsharded `copy` (every rank, in order)."""
+        """Copy the full weights of `sharded` into the unsharded `copy` (every rank, in order):
+        every parameter's shard in one all-gather, each padded to FSDP2's dim-0 chunk."""
         params = dict(copy.named_parameters())
-        for name, param in sharded.named_parameters():
-            params[name].copy_(param.full_tensor() if hasattr(param, "full_tensor") else param)
+        pairs = [(params[name], param) for name, param in sharded.named_parameters()]
+        if not pairs:
+            return
+        one_dtype = len({full.dtype for full, _ in pairs}) == 1
+        if not one_dtype or not all(_row_sharded(param) for _, param in pairs):
+            # not FSDP2's default layout: each parameter gathered on its own
+            for full, param in pairs:
+                full.copy_(param.full_tensor() if hasattr(param, "full_tensor") else param)
+            return
+        world, slots, total = self.world_size, [], 0
+        for full, param in pairs:
+            chunk = -(-full.shape[0] // world)  # rows per rank; the last ranks' may be fewer
+            row = full[0].numel() if full.shape[0] else 0
+            slots.append((full, param.to_local(), total, chunk, row))
+            total += chunk * row
+        mine = torch.zeros(total, dtype=pairs[0][0].dtype, device=pairs[0][1].device)
+        for _, shard, offset, _, _ in slots:
+            mine[offset : offset + shard.numel()].copy_(shard.reshape(-1))
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        for full, _, offset, chunk, row in slots:
+            flat, rows = full.view(-1), full.shape[0]
+            for rank, theirs in enumerate(every):
+                n = max(0, min(chunk, rows - rank * chunk)) * row
+                start = rank * chunk * row
+                flat[start : start + n].copy_(theirs[offset : offset + n])
 
     # ----------------------------------------------------------------- collectives
     def gather(self, values: list[float]) -> list[list[float]]:
@@ -182,6 +207,14 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 def is_sharded(model: torch.nn.Module) -> bool:
     return hasattr(model, TRUNK_METHOD)
+
+
+def _row_sharded(param: torch.Tensor) -> bool:
+    """A DTensor sharded by rows over one mesh dimension (FSDP2's default placement)."""
+    from torch.distributed.tensor import Shard
+
+    placements = getattr(param, "placements", None)
+    return placements is not None and tuple(placements) == (Shard(0),)
 
 
 def is_replicated(model: torch.nn.Module) -> bool:

@@ -5,7 +5,8 @@ For each of `parallel = "fsdp2"` and `"ddp"` (in one process group, one after th
 step 0 is applied and its batch, report and the updated full weights are written to
 OUT/MODE/ for the one-process comparison; step 1 has a NaN loss and step 2 an infinite
 gradient, each on rank 1 only: both ranks must flush with their weights (shards or replica)
-and AdamW state bit-identical; step 3 applies; then a DCP checkpoint and the final weights.
+and AdamW state bit-identical; step 3 applies; then a DCP checkpoint (loaded back: the same
+state), the final weights, and under FSDP2 the rollout copy checked against the shards.
 """
 
 from __future__ import annotations
@@ -70,7 +71,14 @@ def run_steps(engine: Engine, out: Path) -> list[dict]:
             full = {n: _full(p) for n, p in engine.model.named_parameters()}
             save_file(full, str(out / f"weights-{rank}.safetensors"))
     engine.save_checkpoint(out / "checkpoint")  # collective: DCP
+    digest = engine.state_digest()
+    engine.load_checkpoint(out / "checkpoint")  # the same world size: everything back
+    assert engine.state_digest() == digest, "a DCP round trip changed the state"
     full = {n: _full(p) for n, p in engine.model.named_parameters()}  # collective: FSDP2
+    if engine.parallel.sharded:  # the rollout copy's one all-gather gives the same weights
+        engine.parallel.sync_rollout_copy(engine.model, engine.rollout_model)
+        copy = dict(engine.rollout_model.named_parameters())
+        assert all(torch.equal(copy[n], t) for n, t in full.items()), "rollout copy differs"
     if rank == 0:
         save_file(full, str(out / "final.safetensors"))
     return steps
