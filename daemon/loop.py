@@ -372,6 +372,7 @@ class Daemon:
     # ----------------------------------------------------------------- shutdown
     def _shutdown(self, code: int, reason: str, checkpoint: bool = True) -> int:
         self.signals.abortable = False
+        stops = self.signals.stop_count  # one more while shutting down ends the linger too
         if self.progress is not None:
             self.progress.finish()
         state = {EXIT_OK: "stopped", EXIT_HALT: "halted", EXIT_FAILURE: "failed"}.get(
@@ -413,7 +414,7 @@ class Daemon:
             drain_seconds=round(time.perf_counter() - drained, 6),
             **extra,
         )
-        self._linger()
+        self._linger(stops)
         self._close_quietly()
         return code
 
@@ -423,12 +424,12 @@ class Daemon:
         reason = f"second {signal.Signals(signum).name}: {what}, exiting without a checkpoint"
         return self._shutdown(exit_by_signal(signum), reason, checkpoint=False)
 
-    def _linger(self) -> None:
-        """Keep /metrics up (with /healthz 503) for `linger_seconds`; a new stop signal ends it."""
+    def _linger(self, stops: int) -> None:
+        """Keep /metrics up (with /healthz 503) for `linger_seconds`; a stop signal after the
+        `stops` the shutdown began with ends it (one sent during the checkpoint included)."""
         if self.server is None:
             return
         deadline = time.monotonic() + self.config.daemon.linger_seconds
-        stops = self.signals.stop_count
         while time.monotonic() < deadline and self.signals.stop_count == stops:
             time.sleep(0.05)
 

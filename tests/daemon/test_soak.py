@@ -56,9 +56,11 @@ def test_a_collapsing_campaign_halts_once_with_few_episodes(tmp_path: Path) -> N
             samples.append((steps[-1], _rss_mib(grpod.proc.pid), _series(text)))
         assert grpod.proc.poll() is None, grpod.events[-3:]
         time.sleep(0.25)
-    final = http_get(url)[1]  # lingering: the halted run's last state
-    grpod.signal(signal.SIGTERM)
+    final = http_get(url)[1]  # stopping (checkpoint, then linger): the halted run's last state
+    signalled = time.monotonic()
+    grpod.signal(signal.SIGTERM)  # most often during the halt checkpoint, before the linger
     assert grpod.wait() == 3, grpod.stderr[-2000:]
+    assert time.monotonic() - signalled < 20, "the SIGTERM did not end the 60 s linger"
 
     stopping = grpod.event("stopping")
     halt_step = grpod.steps()[-1]["step"]
