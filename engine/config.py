@@ -291,6 +291,10 @@ def check_parallel(config: EngineConfig, world: int | None = None) -> str:
     for what a sharded run refuses, as preflight checks it before anything is created."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
     mode = config.parallel if config.parallel != "auto" else ("fsdp2" if world > 1 else "none")
+    if world == 1 and "RANK" not in os.environ:
+        # one process outside torchrun (`grpod replay --rank R`, a one-process resume of a
+        # torchrun run): nothing to shard or replicate, and no process group to join
+        mode = "none"
     if mode == "none":
         return mode
     if config.prompts_per_step % world:

@@ -111,6 +111,12 @@ def test_the_torchrun_environment_is_checked_before_anything_is_built(monkeypatc
         Parallel.start(EngineConfig.model_validate(CONFIG))
     alone = Parallel.start(EngineConfig.model_validate({**CONFIG, "parallel": "none"}))
     assert (alone.mode, alone.rank, alone.world_size) == ("none", 0, 1)
+    # a torchrun run's config in one process (replay --rank, a one-process resume): no group
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    for mode in ("fsdp2", "ddp"):
+        one = Parallel.start(EngineConfig.model_validate({**CONFIG, "parallel": mode}))
+        assert (one.mode, one.world_size) == ("none", 1)
 
 
 def test_config_check_under_a_sharding_world_refuses_lora(
