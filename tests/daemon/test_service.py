@@ -280,7 +280,7 @@ def test_second_sigterm_drops_the_step_and_exits_without_checkpoint(tmp_path: Pa
     assert "checkpoint" not in events[events.index("stopping") :]
     assert max(s for s, *_ in recorded_steps(tmp_path / "run")) < stopped["next_step"]
 
-    args = ["--config", str(config), "--run-dir", "run", "--max-steps", "4"]
+    args = ["--config", str(config), "--run-dir", "run", "--max-steps", "2"]
     resumed = run_to_end(args, tmp_path)
     assert resumed.event("started")["resumed_from"] == 0
     fresh = run_to_end([*args[:2], "--run-dir", "fresh", *args[4:]], tmp_path)

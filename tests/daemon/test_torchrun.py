@@ -5,7 +5,8 @@ checkpoints collectively with DCP and exits 0), resume from that checkpoint on t
 world size, then replay the last step under torchrun (global loss, valid tokens and grad norm
 bit-exact) and one rank's part alone in one process (its local valid tokens and loss); last, one
 torchrun job loses a worker to SIGKILL (the agent tears it down), and one process (world size
-1) resumes the last complete 2-rank checkpoint resharded, past a half-written one.
+1) resumes the last complete 2-rank checkpoint resharded, past a half-written one. Then a
+short `parallel = "ddp"` campaign: per-rank rows recorded, one rank replayed in one process.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ import torch
 from safetensors.torch import load_file
 
 from grpod.engine import Engine, EngineConfig
-from tests.daemon.helpers import GRPOD, free_port, http_get, parse_metrics, write_config
+from tests.daemon.helpers import (
+    GRPOD,
+    TINY_ENGINE,
+    free_port,
+    http_get,
+    parse_metrics,
+    write_config,
+)
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENGINE = {  # W2 (long prompts, 256-token rows in 4 sequence chunks), one row per micro
@@ -232,3 +240,41 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_p
     state = engine.model.state_dict()
     assert weights and all(torch.equal(t, state[n]) for n, t in weights.items())
     assert any(not torch.equal(t, initial[n]) for n, t in weights.items())  # trained weights
+
+
+def test_a_ddp_campaign_records_every_rank_and_replays_one_alone(tmp_path) -> None:
+    config = write_config(
+        tmp_path / "grpod.toml",
+        {
+            "engine": {**TINY_ENGINE, "parallel": "ddp", "micro_batch_rows": 1},
+            "daemon": {"metrics_port": 0, "checkpoint_every": 2},
+        },
+    )
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        torchrun("run", "--config", str(config), "--run-dir", str(run_dir), "--max-steps", "3"),
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    with sqlite3.connect(run_dir / "grpod.sqlite") as db:
+        (report,) = db.execute("SELECT report_json FROM steps WHERE step = 2").fetchall()[0]
+        ranks = db.execute("SELECT rank, valid_tokens FROM step_ranks WHERE step = 2").fetchall()
+    report = json.loads(report)
+    assert report["world_size"] == 2 and sorted(ranks) == [
+        (r["rank"], r["valid_tokens"]) for r in report["rank_reports"]
+    ]
+    assert report["global_valid_tokens"] == sum(v for _, v in ranks)
+    # one process outside torchrun: the ddp config runs as "none", rank 1's part alone
+    alone = subprocess.run(
+        [GRPOD, "replay", "--run-dir", str(run_dir), "--step", "2", "--rank", "1", "--json"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    result = json.loads(alone.stdout.strip().splitlines()[-1])
+    assert result["reproduced"] is True and result["replayed"]["valid_tokens"] == dict(ranks)[1]
