@@ -98,9 +98,11 @@ def agree_stop(requested: bool) -> bool:
 
 
 def gather_step(result: StepResult) -> tuple[TransportBatch, StepReport] | None:
-    """On rank 0: the step's global batch and the report to record; None on other ranks."""
-    if world_size() == 1:
-        return result.batch, result.report
+    """On rank 0: the step's global batch and the report to record; None on other ranks.
+    Under torchrun with `parallel = "none"` every rank trains its own replica: rank 0 records
+    its own step, with nothing gathered."""
+    if world_size() == 1 or result.report.world_size == 1:
+        return (result.batch, result.report) if rank() == 0 else None
     import torch.distributed as dist
 
     mine = (result.batch, result.report, dict(result.phase_seconds))

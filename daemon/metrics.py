@@ -325,9 +325,15 @@ class RankMetrics:
 
 def prepare_multiproc_dir(path: str | os.PathLike) -> None:
     """Empty (or create) `path`: the files of an earlier start's processes are not this
-    run's. Local rank 0 does it before any rank of the node creates a metric."""
-    shutil.rmtree(path, ignore_errors=True)
-    Path(path).mkdir(parents=True)
+    run's. Local rank 0 does it before any rank of the node creates a metric; what it cannot
+    remove raises (OSError, naming the file), so the job stops with the reason."""
+    where = Path(path)
+    where.mkdir(parents=True, exist_ok=True)
+    for entry in where.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def serving_registry(registry: CollectorRegistry) -> CollectorRegistry:
@@ -384,7 +390,8 @@ def _alive(pid: int) -> bool:
 
 
 def mark_process_dead() -> None:
-    """Multiprocess mode: drop this process's live gauges when it exits."""
+    """Multiprocess mode: drop this process's live-mode gauges when it exits (grpod's own use
+    none: `grpod_rank_up` tells a dead rank by its pid; this is for any a user adds)."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
 

@@ -105,9 +105,9 @@ def run_trunk(
     """Trunk states `[positions run + 1, H]` (last row zeros) and the layout's source, on
     `device`: `hidden[source[p]]` is the state of micro position p.
 
-    An FSDP2-sharded model runs the Hugging Face forward through FSDP's hooks, the DDP
-    trunk (`Parallel.replicate`) through DDP's forward; either way, and for one process,
-    the states come from `trunk_hidden`'s forward.
+    An FSDP2-sharded model runs the Hugging Face forward through FSDP's hooks; the DDP
+    trunk (`Parallel.replicate`) runs `trunk_hidden` through DDP's forward, and one process
+    runs `trunk_hidden` itself.
     """
     input_ids = layout.input_ids.to(device)
     position_ids = layout.position_ids.to(device)

@@ -16,7 +16,7 @@ What the engine keeps per rank under FSDP2:
 - an unsharded *rollout copy* of the policy in one flat buffer (engine/flat.py): the fused
   decoder, scoring and the reference pass run on it with no collective, so ranks whose
   rollouts differ in length never wait on each other; `sync_rollout_copy` refreshes it
-  from the shards (one all-gather of every parameter's shard) before every rollout;
+  from the shards (packed into buckets, one all-gather each) before every rollout;
 - the weights guard checks each rank's local shards; the policy max-reduces its verdict.
 
 Under DDP the replica is the rollout model itself (every rank applies the same update), so
@@ -26,6 +26,7 @@ there is no copy to refresh; the DCP checkpoint path is the same as FSDP2's.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import types
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
 
 TRUNK_METHOD = "grpod_trunk"  # the FSDP-registered method the training forward enters by
 TIMEOUT = datetime.timedelta(minutes=10)  # a collective a peer never joins fails, never hangs
+# the rollout copy's refresh gathers at most this much per all-gather (world x it in flight),
+# so a model near the memory limit never needs a second full copy at once
+SYNC_BUCKET_BYTES = 256 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,11 @@ class Parallel:
     def sharded(self) -> bool:
         """FSDP2: the trained model's parameters are this rank's shards."""
         return self.mode == "fsdp2"
+
+    @property
+    def replicated(self) -> bool:
+        """DDP: a full replica of the policy on every rank."""
+        return self.mode == "ddp"
 
     @property
     def distributed(self) -> bool:
@@ -128,29 +137,40 @@ class Parallel:
     @torch.no_grad()
     def sync_rollout_copy(self, sharded: torch.nn.Module, copy: torch.nn.Module) -> None:
         """Copy the full weights of `sharded` into the unsharded `copy` (every rank, in order):
-        every parameter's shard in one all-gather, each padded to FSDP2's dim-0 chunk."""
+        the parameters' shards packed into buckets of up to SYNC_BUCKET_BYTES, each padded to
+        FSDP2's dim-0 chunk, one all-gather per bucket (one for a small model)."""
         params = dict(copy.named_parameters())
         pairs = [(params[name], param) for name, param in sharded.named_parameters()]
-        if not pairs:
-            return
-        one_dtype = len({full.dtype for full, _ in pairs}) == 1
+        one_dtype = len({full.dtype for full, _ in pairs}) <= 1
         if not one_dtype or not all(_row_sharded(param) for _, param in pairs):
             # not FSDP2's default layout: each parameter gathered on its own
             for full, param in pairs:
                 full.copy_(param.full_tensor() if hasattr(param, "full_tensor") else param)
             return
-        world, slots, total = self.world_size, [], 0
+        bucket: list[tuple[torch.Tensor, torch.Tensor, int, int, int]] = []
+        total = 0
         for full, param in pairs:
-            chunk = -(-full.shape[0] // world)  # rows per rank; the last ranks' may be fewer
+            chunk = -(-full.shape[0] // self.world_size)  # rows per rank; the last may be fewer
             row = full[0].numel() if full.shape[0] else 0
-            slots.append((full, param.to_local(), total, chunk, row))
+            if bucket and (total + chunk * row) * full.element_size() > SYNC_BUCKET_BYTES:
+                self._gather_bucket(bucket, total)
+                bucket, total = [], 0
+            bucket.append((full, param.to_local(), total, chunk, row))
             total += chunk * row
-        mine = torch.zeros(total, dtype=pairs[0][0].dtype, device=pairs[0][1].device)
-        for _, shard, offset, _, _ in slots:
+        if bucket:
+            self._gather_bucket(bucket, total)
+
+    def _gather_bucket(
+        self, bucket: list[tuple[torch.Tensor, torch.Tensor, int, int, int]], total: int
+    ) -> None:
+        """One all-gather of `bucket`'s shards (`(full, shard, offset, chunk rows, row size)`)
+        and each rank's rows copied into the full parameters."""
+        mine = torch.zeros(total, dtype=bucket[0][0].dtype, device=bucket[0][1].device)
+        for _, shard, offset, _, _ in bucket:
             mine[offset : offset + shard.numel()].copy_(shard.reshape(-1))
-        every = [torch.empty_like(mine) for _ in range(world)]
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine)
-        for full, _, offset, chunk, row in slots:
+        for full, _, offset, chunk, row in bucket:
             flat, rows = full.view(-1), full.shape[0]
             for rank, theirs in enumerate(every):
                 n = max(0, min(chunk, rows - rank * chunk)) * row
@@ -166,6 +186,14 @@ class Parallel:
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(out, mine)
         return [t.tolist() for t in out]
+
+    def worst(self, norm: float) -> float:
+        """DDP: the largest of every replica's `norm` (NaN if any is NaN), so a rank whose
+        gradients went bad after the all-reduce decides for all; else `norm` itself."""
+        if not self.replicated:
+            return norm
+        norms = [value for (value,) in self.gather([norm])]
+        return math.nan if any(math.isnan(n) for n in norms) else max(norms)
 
     def max_int(self, value: int) -> int:
         """The max of `value` over every rank."""

@@ -127,7 +127,7 @@ class Engine:
         # the module the training trunk runs through: DDP's wrapper, or the model itself
         self.train_trunk = (
             self.parallel.replicate(self.model, config.dtype)
-            if self.parallel.mode == "ddp"
+            if self.parallel.replicated
             else self.model
         )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -262,20 +262,7 @@ class Engine:
                 extra_passes = self.parallel.max_int(len(passes)) - len(passes)
             for i, (micros, layout) in enumerate(passes):
                 with self._grad_sync(i == len(passes) - 1):
-                    hidden, source = run_trunk(
-                        self.train_trunk, layout, self.config.dtype, self.device
-                    )
-                    per_micro = source.numel() // len(micros)
-                    pass_loss = hidden.new_zeros((), dtype=torch.float32)
-                    for k, micro in enumerate(micros):
-                        micro_source = source[k * per_micro : (k + 1) * per_micro]
-                        micro_loss = self._chunk_losses(
-                            batch, micro, hidden, micro_source, reference, stats
-                        )
-                        micro_loss = self.faults.micro_loss(batch.step, micro, micro_loss)
-                        stats.micro_loss_sums.append(micro_loss.detach())
-                        pass_loss = pass_loss + micro_loss
-                    pass_loss.backward()
+                    self._pass(batch, micros, layout, reference, stats)
             for _ in range(extra_passes):
                 self._zero_pass(passes[0][1])
             valid_tokens = self.counter.value
@@ -291,9 +278,7 @@ class Engine:
             grads = [p.grad for p in self.params if p.grad is not None]
             torch._foreach_mul_(grads, token_scale)
             self.faults.grads(batch.step, grads)
-            grad_norm = total_norm(grads)
-            if self.parallel.mode == "ddp":  # replicas: the worst rank's norm decides for all
-                grad_norm = _worst([norm for (norm,) in self.parallel.gather([grad_norm])])
+            grad_norm = self.parallel.worst(total_norm(grads))  # DDP: the worst replica's
         report = stats.report(
             batch,
             valid_tokens=valid_tokens,
@@ -430,6 +415,26 @@ class Engine:
                 return self.score(batch)
         return self.score(batch, self.reference)
 
+    def _pass(
+        self,
+        batch: TransportBatch,
+        micros: list[int],
+        layout: TrunkLayout,
+        reference: torch.Tensor | None,
+        stats: StepStats,
+    ) -> None:
+        """One trunk forward over `micros`, their chunked losses, one backward."""
+        hidden, source = run_trunk(self.train_trunk, layout, self.config.dtype, self.device)
+        per_micro = source.numel() // len(micros)
+        pass_loss = hidden.new_zeros((), dtype=torch.float32)
+        for k, micro in enumerate(micros):
+            micro_source = source[k * per_micro : (k + 1) * per_micro]
+            micro_loss = self._chunk_losses(batch, micro, hidden, micro_source, reference, stats)
+            micro_loss = self.faults.micro_loss(batch.step, micro, micro_loss)
+            stats.micro_loss_sums.append(micro_loss.detach())
+            pass_loss = pass_loss + micro_loss
+        pass_loss.backward()
+
     def _grad_sync(self, last: bool) -> AbstractContextManager:
         """DDP: gradients accumulate locally until the rank's last pass, which all-reduces."""
         if last or self.train_trunk is self.model:
@@ -556,12 +561,12 @@ class Engine:
         return 1.0
 
     # ----------------------------------------------------------------- state
-    DCP_KEYS = ("model", "optimizer")  # the state a sharded engine saves through DCP (distcp.py)
+    DCP_KEYS = ("model", "optimizer")  # what a distributed engine saves through DCP (distcp.py)
 
     def state_dict(self, fqn: bool = False) -> dict[str, Any]:
         """Weights, AdamW state, LR schedule position and data cursor (plain tensors and dicts:
-        `engine/checkpoint.py` or torch.distributed.checkpoint save it). Sharded (or `fqn`):
-        model and optimizer in torch.distributed.checkpoint's form (`get_state_dict`)."""
+        `engine/checkpoint.py` or torch.distributed.checkpoint save it). Distributed (or
+        `fqn`): model and optimizer in torch.distributed.checkpoint's form (`get_state_dict`)."""
         if self._pending is not None:
             raise EngineError(f"step {self._pending.step} is still pending (apply or flush it)")
         if self.parallel.distributed or fqn:
@@ -621,7 +626,7 @@ class Engine:
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
         """Write this engine's state (and JSON `extra`) to directory `path` atomically;
-        sharded: collectively, with torch.distributed.checkpoint (engine/distcp.py)."""
+        distributed: collectively, with torch.distributed.checkpoint (engine/distcp.py)."""
         return distcp.save(path, {"engine": self}, self.parallel, extra)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
@@ -669,8 +674,3 @@ def step_seed(seed: int, step: int, rank: int = 0) -> int:
     text = f"grpod:{seed}:{step}" + (f":{rank}" if rank else "")
     digest = hashlib.sha256(text.encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def _worst(norms: list[float]) -> float:
-    """The largest of `norms`, NaN if any is NaN (a NaN never compares larger)."""
-    return math.nan if any(math.isnan(n) for n in norms) else max(norms)

@@ -43,6 +43,8 @@ def rank_columns(report: dict[str, Any]) -> list[dict[str, Any]]:
     order, without the step's keys (step_id, run_id, step, batch_digest); [] for a
     one-process step. The ranges follow each rank's own micro and sample counts."""
     out, micro, sample = [], 0, 0
+    if int(report.get("world_size", 1)) <= 1:  # one process, or a replica per rank
+        return out
     for rank in sorted(report.get("rank_reports") or [], key=lambda r: r["rank"]):
         out.append(
             dict(

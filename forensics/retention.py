@@ -1,5 +1,5 @@
-"""`fsck` (every referenced blob exists and verifies, every distributed step's rank rows add
-up) and `gc` (prune within a size budget).
+"""`fsck` (every referenced blob exists and verifies; the rank rows of every step that has
+them add up) and `gc` (prune within a size budget).
 
 What retention keeps and how it prunes is forensics/prune.py (the daemon runs it after every
 checkpoint; `gc` runs it on demand).
@@ -153,6 +153,9 @@ def _unbacked_steps(store: Store, session: Any) -> list[str]:
 def _counts(blobs: BlobStore, digest: str, data: bytes | None = None) -> tuple[int, int]:
     """`(micros, samples)` of a blob that verifies (ForensicsError when it does not)."""
     tensors, _ = blobs.read(digest, data)
+    missing = sorted({"input_ids", "rewards"} - set(tensors))
+    if missing:
+        raise ForensicsError(f"blob {digest}: not a batch (no {', '.join(missing)})")
     return int(tensors["input_ids"].shape[0]), int(tensors["rewards"].shape[0])
 
 
@@ -166,9 +169,13 @@ def _rank_problems(store: Store, session: Any, counts: dict[str, tuple[int, int]
     by_step: dict[int, list[StepRank]] = {}
     for row in rows:
         by_step.setdefault(row.step_id, []).append(row)
+    steps = {
+        step.id: step
+        for step in session.scalars(select(Step).where(Step.id.in_(list(by_step)))).all()
+    }
     problems = []
     for step_id, ranks in by_step.items():
-        step = session.get(Step, step_id)
+        step = steps[step_id]
         problems += _rank_mismatches(step, ranks, counts.get(step.batch_digest or ""))
     return problems
 

@@ -242,23 +242,42 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_p
     assert any(not torch.equal(t, initial[n]) for n, t in weights.items())  # trained weights
 
 
-def test_a_ddp_campaign_records_every_rank_and_replays_one_alone(tmp_path) -> None:
+def _short_campaign(tmp_path: Path, parallel: str, steps: int) -> Path:
     config = write_config(
         tmp_path / "grpod.toml",
         {
-            "engine": {**TINY_ENGINE, "parallel": "ddp", "micro_batch_rows": 1},
+            "engine": {**TINY_ENGINE, "parallel": parallel, "micro_batch_rows": 1},
             "daemon": {"metrics_port": 0, "checkpoint_every": 2},
         },
     )
     run_dir = tmp_path / "run"
+    args = ["--config", str(config), "--run-dir", str(run_dir), "--max-steps", str(steps)]
     done = subprocess.run(
-        torchrun("run", "--config", str(config), "--run-dir", str(run_dir), "--max-steps", "3"),
+        torchrun("run", *args),
         env=ENV,
         capture_output=True,
         text=True,
         timeout=180,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def test_a_replica_per_rank_records_rank_0s_steps(tmp_path) -> None:
+    """`parallel = "none"` under torchrun: no engine collective, rank 0 records its own."""
+    run_dir = _short_campaign(tmp_path, "none", 2)
+    with sqlite3.connect(run_dir / "grpod.sqlite") as db:
+        steps = db.execute("SELECT step, report_json FROM steps ORDER BY step").fetchall()
+        (rows,) = db.execute("SELECT count(*) FROM step_ranks").fetchone()
+    assert [s for s, _ in steps] == [0, 1] and rows == 0
+    for _, text in steps:
+        report = json.loads(text)
+        assert report["world_size"] == 1
+        assert report["valid_tokens"] == report["expected_valid_tokens"]
+
+
+def test_a_ddp_campaign_records_every_rank_and_replays_one_alone(tmp_path) -> None:
+    run_dir = _short_campaign(tmp_path, "ddp", 3)
     with sqlite3.connect(run_dir / "grpod.sqlite") as db:
         (report,) = db.execute("SELECT report_json FROM steps WHERE step = 2").fetchall()[0]
         ranks = db.execute("SELECT rank, valid_tokens FROM step_ranks WHERE step = 2").fetchall()

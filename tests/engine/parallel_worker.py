@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+import grpod.engine.parallel as parallel
 from grpod.engine import Engine, EngineConfig
 from grpod.engine.step import decide_step
 from grpod.guards import GuardPolicy
@@ -75,10 +76,14 @@ def run_steps(engine: Engine, out: Path) -> list[dict]:
     engine.load_checkpoint(out / "checkpoint")  # the same world size: everything back
     assert engine.state_digest() == digest, "a DCP round trip changed the state"
     full = {n: _full(p) for n, p in engine.model.named_parameters()}  # collective: FSDP2
-    if engine.parallel.sharded:  # the rollout copy's one all-gather gives the same weights
-        engine.parallel.sync_rollout_copy(engine.model, engine.rollout_model)
+    if engine.parallel.sharded:  # the rollout copy's bucketed all-gather: the same weights
         copy = dict(engine.rollout_model.named_parameters())
-        assert all(torch.equal(copy[n], t) for n, t in full.items()), "rollout copy differs"
+        for bucket_bytes in (parallel.SYNC_BUCKET_BYTES, 64 * 1024):  # one bucket, then ~20
+            parallel.SYNC_BUCKET_BYTES = bucket_bytes
+            with torch.no_grad():
+                engine.flat_weights.zero_()
+            engine.parallel.sync_rollout_copy(engine.model, engine.rollout_model)
+            assert all(torch.equal(copy[n], t) for n, t in full.items()), bucket_bytes
     if rank == 0:
         save_file(full, str(out / "final.safetensors"))
     return steps
