@@ -31,7 +31,6 @@ from grpod.daemon.health import Health, HealthServer
 from grpod.daemon.metrics import (
     Metrics,
     RankMetrics,
-    mark_process_dead,
     prepare_multiproc_dir,
     serving_registry,
 )
@@ -263,14 +262,7 @@ class Daemon:
             self.metrics.observe_step(
                 report, verdict, outcome, phases, policy.gradnorm_vtc_correlation
             )
-            self.metrics.observe_recorder(
-                self.recorder.queue_depth,
-                self.recorder.blocked_total,
-                self.recorder.incidents_total,
-                self.recorder.uncommitted_steps,
-                incident_steps_total=self.recorder.incident_steps_total,
-                incidents_open=self.recorder.open_incidents,
-            )
+        self._observe_recorder(self.recorder.queue_depth)
         self.last_verdict = _verdict_text(verdict)
         self.last_step = report.step
         fields: dict[str, Any] = {
@@ -337,6 +329,19 @@ class Daemon:
         self.notifier.watchdog()
         self.notifier.status(self._status_line())
 
+    def _observe_recorder(self, queue_depth: int) -> None:
+        """Rank 0: the flight recorder's gauges and running totals."""
+        if self.metrics is None:
+            return
+        self.metrics.observe_recorder(
+            queue_depth,
+            self.recorder.blocked_total,
+            self.recorder.incidents_total,
+            self.recorder.uncommitted_steps,
+            incident_steps_total=self.recorder.incident_steps_total,
+            incidents_open=self.recorder.open_incidents,
+        )
+
     def _states(self) -> dict[str, Stateful]:
         """What a checkpoint holds: the engine (weights, optimizer, schedule, data cursor)
         and the guards' windows and counters."""
@@ -393,15 +398,7 @@ class Daemon:
         except Exception as exc:  # a store that failed must not hide the reason we stop
             self.log.error("recorder close failed", error=str(exc))
             code = code or EXIT_FAILURE
-        if self.metrics is not None:
-            self.metrics.observe_recorder(
-                0,
-                self.recorder.blocked_total,
-                self.recorder.incidents_total,
-                self.recorder.uncommitted_steps,  # 0 unless the close failed
-                incident_steps_total=self.recorder.incident_steps_total,
-                incidents_open=self.recorder.open_incidents,
-            )
+        self._observe_recorder(0)  # its uncommitted steps: 0 unless the close failed
         self._publish_status(state, reason=reason, exit_code=code)
         extra: dict[str, Any] = {}
         if self.config.daemon.state_digest_on_exit:
@@ -437,7 +434,6 @@ class Daemon:
         if self.server is not None:
             self.server.close()
             self.server = None
-        mark_process_dead()
         self.notifier.close()
 
     # ----------------------------------------------------------------- status

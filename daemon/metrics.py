@@ -58,10 +58,27 @@ REPORT_GAUGES = {
 }
 
 
-class Metrics:
+class _Labelled:
+    """Metric children looked up once per label set (labels() validates and locks per call)."""
+
+    def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, the same child every time."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+
+class Metrics(_Labelled):
     """The daemon's metrics, registered on `registry` (the `grpod_` names of the contracts)."""
 
     def __init__(self, registry: CollectorRegistry, versions: dict[str, str] | None = None):
+        super().__init__()
+
         def gauge(name: str, doc: str, labels: tuple[str, ...] = (), mode: str = "mostrecent"):
             return Gauge(f"grpod_{name}", doc, labels, registry=registry, multiprocess_mode=mode)
 
@@ -178,7 +195,6 @@ class Metrics:
             ).set(1)
         self.halted.set(0)
         self._seen = {"incidents": 0, "incident_steps": 0, "blocked": 0}
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def observe_step(
         self,
@@ -230,14 +246,6 @@ class Metrics:
             self._child(self.eval_reward, name).set(_number(value))
         self.eval_step.set(step)
 
-    def _child(self, metric: Any, *labels: str) -> Any:
-        """`metric.labels(*labels)`, looked up once (labels() validates and locks per call)."""
-        key = (id(metric), labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
-
     def observe_recorder(
         self,
         queue_depth: int,
@@ -269,11 +277,13 @@ class Metrics:
         self._child(self.pruned_total, "batch").inc(report.blobs_deleted)
 
 
-class RankMetrics:
+class RankMetrics(_Labelled):
     """One rank's own numbers (`rank`: < world size; one process: rank 0), written by that
     rank: under torchrun into the node's multiprocess files, served by local rank 0."""
 
     def __init__(self, registry: CollectorRegistry, rank: int) -> None:
+        super().__init__()
+
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
             return Gauge(
                 f"grpod_rank_{name}",
@@ -306,7 +316,6 @@ class RankMetrics:
         self.phase_seconds = gauge(
             "phase_duration_seconds", "The rank's last step, by phase", ("phase",)
         )
-        self._phases: dict[str, Any] = {}
 
     def observe(
         self, report: StepReport, phases: dict[str, float], now: float | None = None
@@ -315,10 +324,7 @@ class RankMetrics:
         self.valid_tokens.set(report.valid_tokens)
         self.expected_valid_tokens.set(report.expected_valid_tokens)
         for phase, seconds in phases.items():
-            child = self._phases.get(phase)
-            if child is None:
-                child = self._phases[phase] = self.phase_seconds.labels(self.rank, phase)
-            child.set(seconds)
+            self._child(self.phase_seconds, self.rank, phase).set(seconds)
         self.step.set(report.step)
         self.last_step_timestamp.set(time.time() if now is None else now)
 
@@ -387,15 +393,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's: it exists
         return True
     return True
-
-
-def mark_process_dead() -> None:
-    """Multiprocess mode: drop this process's live-mode gauges when it exits (grpod's own use
-    none: `grpod_rank_up` tells a dead rank by its pid; this is for any a user adds)."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(os.getpid())
 
 
 def _number(value: float | int | None) -> float:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from grpod.engine.config import check_parallel
-from grpod.engine.trunk import trunk_hidden
+from grpod.engine.trunk import hf_states, trunk_hidden
 
 if TYPE_CHECKING:
     from grpod.engine.config import EngineConfig
@@ -276,9 +276,4 @@ def _hf_trunk(
     attention_mask: torch.Tensor,
 ) -> torch.Tensor:
     """The final-norm hidden states through the Hugging Face forward (FSDP hooks around it)."""
-    return self.base_model(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        attention_mask=attention_mask,
-        use_cache=False,
-    ).last_hidden_state
+    return hf_states(self, input_ids, position_ids, attention_mask)

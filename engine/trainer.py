@@ -437,7 +437,7 @@ class Engine:
 
     def _grad_sync(self, last: bool) -> AbstractContextManager:
         """DDP: gradients accumulate locally until the rank's last pass, which all-reduces."""
-        if last or self.train_trunk is self.model:
+        if last or not self.parallel.replicated:
             return nullcontext()
         return self.train_trunk.no_sync()
 

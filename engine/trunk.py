@@ -93,6 +93,16 @@ def trunk_hidden(
     plumbing), anything else through the Hugging Face forward."""
     if unsupported(model, dtype) is None:
         return trunk_states(model, input_ids, position_ids, mask)
+    return hf_states(model, input_ids, position_ids, mask)
+
+
+def hf_states(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """The final-norm hidden states through the Hugging Face forward (no cache)."""
     return model.base_model(
         input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False
     ).last_hidden_state
