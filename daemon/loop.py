@@ -273,6 +273,10 @@ class Daemon:
         }
         if report.kv_cache is not None:
             fields["kv_cache"] = dataclasses.asdict(report.kv_cache)
+        if report.weight_version is not None:
+            fields["weight_version"] = report.weight_version
+        if report.weight_sync_max_abs_logprob_diff is not None:
+            fields["weight_sync_max_abs_logprob_diff"] = report.weight_sync_max_abs_logprob_diff
         if report.reward_functions:
             fields["rewards"] = report.reward_functions
         if self.config.daemon.log_samples:

@@ -30,7 +30,18 @@ from prometheus_client.metrics_core import Metric
 from grpod.engine.report import StepReport
 from grpod.engine.verdict import Outcome, Verdict
 
-PHASES = ("rollout", "score", "grad", "optim", "guards", "record", "checkpoint", "eval")
+PHASES = (
+    "sync",
+    "sync_check",
+    "rollout",
+    "score",
+    "grad",
+    "optim",
+    "guards",
+    "record",
+    "checkpoint",
+    "eval",
+)
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # gauge name -> StepReport field (None in the report -> NaN on the gauge)
@@ -54,6 +65,15 @@ REPORT_GAUGES = {
     "sampler_mismatch_fraction": (
         "mismatch_frac_above_0_1",
         "Fraction of tokens with |sampler - trainer logprob| > 0.1 nats",
+    ),
+    "weight_version": (
+        "weight_version",
+        "The policy's weight version the step's rollout sampled with (its applied updates)",
+    ),
+    "weight_sync_max_abs_logprob_diff": (
+        "weight_sync_max_abs_logprob_diff",
+        "Largest |sampler - trainer| logprob (nats) of the weight-sync probe after the step's "
+        "push into vLLM (NaN: no separate sampler)",
     ),
 }
 
@@ -145,6 +165,13 @@ class Metrics(_Labelled):
             buckets=PHASE_BUCKETS,
             registry=registry,
         )
+        self.weight_sync_seconds = Histogram(
+            "grpod_weight_sync_seconds",
+            "Seconds of a weight sync into the sampler (vLLM's push, or the sharded run's "
+            "rollout copy) and its check",
+            buckets=PHASE_BUCKETS,
+            registry=registry,
+        )
         self.completion_tokens_total = Counter(
             "grpod_completion_tokens_total", "Completion tokens sampled", registry=registry
         )
@@ -223,6 +250,9 @@ class Metrics(_Labelled):
         self.verdict_action.set(int(verdict.action))
         for phase, seconds in phase_seconds.items():
             self._child(self.phase_seconds, phase).observe(seconds)
+        synced = phase_seconds.get("sync", 0.0) + phase_seconds.get("sync_check", 0.0)
+        if synced > 0.0:
+            self.weight_sync_seconds.observe(synced)
         if not report.skipped_compute:
             self.completions_total.inc(report.num_samples)
             self.completion_tokens_total.inc(

@@ -8,6 +8,7 @@ at p-1), and `advantages` / `sampler_logprobs` at p belong to that token.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from grpod.engine.errors import EngineError
 from grpod.engine.kvcache import CacheStats, KVCacheSpec
+from grpod.engine.weight_sync import WeightSyncCheck
 from grpod.fileio import atomic_file
 
 TOKEN_FIELDS: dict[str, torch.dtype] = {
@@ -69,6 +71,10 @@ class TransportBatch:
     world_size: int = 1
     rank_micros: tuple[int, ...] = ()  # a global batch: each rank's micros, in rank order
     rank_samples: tuple[int, ...] = ()  # a global batch: each rank's samples
+    # the policy's weight version the rollout sampled with (its applied updates; None: a
+    # batch recorded before versions), and the weight-sync check of a separate sampler (vLLM)
+    weight_version: int | None = None
+    weight_sync: WeightSyncCheck | None = None
 
     @property
     def num_micros(self) -> int:
@@ -144,6 +150,7 @@ class TransportBatch:
             rank_micros=tuple(b.num_micros for b in batches),
             rank_samples=tuple(b.num_samples for b in batches),
             kv_cache_stats=_joined_cache_stats(batches),
+            weight_sync=_worst_check(batches),
             function_rewards={
                 name: [v for b in batches for v in b.function_rewards[name]]
                 for name in first.function_rewards
@@ -202,6 +209,10 @@ class TransportBatch:
             metadata["kv_cache"] = self.kv_cache.to_json()
         if self.kv_cache_stats is not None:
             metadata["kv_cache_stats"] = self.kv_cache_stats.to_json()
+        if self.weight_version is not None:
+            metadata["weight_version"] = str(self.weight_version)
+        if self.weight_sync is not None:
+            metadata["weight_sync"] = self.weight_sync.to_json()
         return metadata
 
     def _rank_metadata(self) -> dict[str, str]:
@@ -300,6 +311,7 @@ def _provenance(metadata: dict[str, str]) -> dict[str, Any]:
         }
     faults, order = metadata.get("injected_faults", ""), metadata.get("micro_order", "")
     kv_cache, kv_stats = metadata.get("kv_cache"), metadata.get("kv_cache_stats")
+    version, check = metadata.get("weight_version"), metadata.get("weight_sync")
     return {
         "generation": int(metadata.get("generation", "0")),
         "injected_faults": tuple(faults.split(",")) if faults else (),
@@ -307,6 +319,8 @@ def _provenance(metadata: dict[str, str]) -> dict[str, Any]:
         "kv_cache": KVCacheSpec.from_json(kv_cache) if kv_cache else None,
         "kv_cache_stats": CacheStats.from_json(kv_stats) if kv_stats else None,
         "function_rewards": json.loads(metadata.get("function_rewards", "{}")),
+        "weight_version": None if version is None else int(version),
+        "weight_sync": WeightSyncCheck.from_json(check) if check else None,
         **_ranks({k: json.loads(v) for k, v in metadata.items() if k in RANK_KEYS}),
     }
 
@@ -332,6 +346,14 @@ def _joined_cache_stats(batches: list[TransportBatch]) -> CacheStats | None:
         prompt_tokens_evicted=sum(s.prompt_tokens_evicted for s, _ in stats),
         fill=sum(s.fill * n for s, n in stats) / samples,
     )
+
+
+def _worst_check(batches: list[TransportBatch]) -> WeightSyncCheck | None:
+    """The weight-sync check of the rank whose sampler disagreed most (NaN is the worst)."""
+    checks = [b.weight_sync for b in batches if b.weight_sync is not None]
+    if not checks:
+        return None
+    return max(checks, key=lambda c: math.inf if math.isnan(c.max_abs_diff) else c.max_abs_diff)
 
 
 RANK_KEYS = ("rank", "world_size", "rank_micros", "rank_samples")

@@ -36,6 +36,17 @@ class FaultsConfig(BaseModel):
     loss_spike_steps: list[int] = Field(
         default_factory=list, description="advantages scaled by 1000"
     )
+    # rollout_backend = "vllm": the push of the trainer's weights into the sampler
+    weight_sync_skip_steps: list[int] = Field(
+        default_factory=list, description="vllm: nothing pushed before the step's rollout"
+    )
+    weight_sync_stale_cache_steps: list[int] = Field(
+        default_factory=list, description="vllm: pushed, but the prefix cache is not reset"
+    )
+    weight_sync_corrupt_steps: list[int] = Field(
+        default_factory=list,
+        description="vllm: the push's last untied matrix arrives shifted by one element",
+    )
     ranks: list[int] = Field(
         default_factory=list,
         description="under torchrun: the ranks the faults fire on; empty = every rank",
@@ -50,7 +61,16 @@ class FaultsConfig(BaseModel):
                 self.sentinel_logprob_steps,
                 self.equal_reward_steps,
                 self.loss_spike_steps,
+                *self.weight_sync_steps,
             )
+        )
+
+    @property
+    def weight_sync_steps(self) -> tuple[list[int], list[int], list[int]]:
+        return (
+            self.weight_sync_skip_steps,
+            self.weight_sync_stale_cache_steps,
+            self.weight_sync_corrupt_steps,
         )
 
 
@@ -128,7 +148,21 @@ class EngineConfig(BaseModel):
         description="lastrec/h2o: first tokens never evicted; default min(16, length // 8)",
     )
     kv_grace_period: int = Field(0, ge=0, description="h2o: most recent tokens never evicted")
-    vllm_gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=1.0, description="vllm on CUDA: the share of GPU memory vLLM may take"
+    )
+    vllm_kv_cache_bytes: int = Field(
+        0,
+        ge=0,
+        description="vllm: its KV cache in bytes (0 = gpu_memory_utilization on CUDA, "
+        "512 MiB on CPU, where a utilization would be a fraction of RAM)",
+    )
+    weight_sync_probe_tokens: int = Field(
+        256,
+        ge=16,
+        description="vllm: tokens of the probe scored by vLLM and the trainer after every "
+        "weight sync (the weight_sync guard compares them)",
+    )
     device: str = Field(
         "cpu", pattern=r"^(cpu|cuda(:\d+)?|auto)$", description="cpu | cuda[:N] | auto"
     )
@@ -209,6 +243,8 @@ class EngineConfig(BaseModel):
             raise ValueError("eval_every needs an eval_task")
         if self.eval_task and not _is_task(self.eval_task):
             raise ValueError(f"eval_task must be one of {sorted(BUILTIN_TASKS)} or a .jsonl path")
+        if any(self.faults.weight_sync_steps) and self.rollout_backend != "vllm":
+            raise ValueError("faults weight_sync_*: need rollout_backend = 'vllm'")
         if self.lora.rank and self.rollout_backend == "vllm":
             raise ValueError("lora: the vllm rollout backend does not take adapters yet")
         if "" in self.stop:

@@ -13,6 +13,7 @@ import torch
 
 from grpod.engine.config import FaultsConfig
 from grpod.engine.parallel import local
+from grpod.engine.weight_sync import PushFaults
 
 SENTINEL_LOGPROB = -9999.0  # what some backends write for a missing sampler logprob
 LOSS_SPIKE_SCALE = 1000.0
@@ -37,6 +38,9 @@ class Faults:
             "sentinel-logprob": config.sentinel_logprob_steps,
             "equal-rewards": config.equal_reward_steps,
             "loss-spike": config.loss_spike_steps,
+            "sync-skip": config.weight_sync_skip_steps,
+            "sync-stale-cache": config.weight_sync_stale_cache_steps,
+            "sync-corrupt": config.weight_sync_corrupt_steps,
         }
         self._steps = {name: frozenset(s if self.active else ()) for name, s in steps.items()}
 
@@ -74,6 +78,18 @@ class Faults:
         if micro != 0 or step not in self._steps["nan-loss"]:
             return loss
         return loss * float("nan")
+
+    def push(self, step: int | None) -> PushFaults:
+        """The faults of the weight push before step `step`'s rollout (None: an eval's push,
+        never faulted): sync-skip pushes nothing, sync-stale-cache keeps vLLM's prefix cache,
+        sync-corrupt shifts one matrix of the push by one element."""
+        if step is None:
+            return PushFaults()
+        return PushFaults(
+            skip=step in self._steps["sync-skip"],
+            keep_prefix_cache=step in self._steps["sync-stale-cache"],
+            corrupt=step in self._steps["sync-corrupt"],
+        )
 
     def grads(self, step: int, grads: list[torch.Tensor]) -> None:
         """The step's scaled gradients; inf-grad: one element of the first is inf (in place)."""

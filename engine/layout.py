@@ -16,6 +16,7 @@ import torch
 
 from grpod.engine.batch import TransportBatch
 from grpod.engine.kvmask import cell_prompt_lengths, restrict_to_cache
+from grpod.engine.loss import token_logprobs
 from grpod.engine.model import compute_context
 from grpod.engine.packing import attention_mask, causal_and_eye, first_fit_decreasing
 from grpod.engine.parallel import is_replicated, is_sharded
@@ -122,6 +123,21 @@ def run_trunk(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     hidden = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[-1])])
     return hidden, layout.source.to(device)
+
+
+@torch.no_grad()
+def sequence_logprobs(
+    model: torch.nn.Module, tokens: list[int], dtype: str, device: torch.device
+) -> torch.Tensor:
+    """FP32-head logprobs `[len(tokens) - 1]` of tokens 1.. given the ones before, at
+    temperature 1, through the trainer's own trunk (`trunk_hidden`) and compute dtype."""
+    ids = torch.tensor([tokens], dtype=torch.long, device=device)
+    positions = torch.arange(len(tokens), device=device)[None]
+    causal = torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device).tril()
+    with compute_context(dtype, device):
+        hidden = trunk_hidden(model, ids, positions, causal[None, None], dtype)
+    head = model.get_output_embeddings().weight
+    return token_logprobs(hidden[0, :-1], head, ids[0, 1:]).float().cpu()
 
 
 @dataclass(frozen=True)

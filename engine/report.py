@@ -72,6 +72,9 @@ class StepReport:
     rank_expected_valid_tokens: list[int] = field(default_factory=list)  # all-gathered
     local_loss: float | None = None  # this rank's loss sum / global_valid_tokens
     rank_reports: list[dict] = field(default_factory=list)  # recorded: every rank's scalars
+    # the weights the rollout sampled with (engine/weight_sync.py; from the batch)
+    weight_version: int | None = None
+    weight_sync_max_abs_logprob_diff: float | None = None  # nats; None: no separate sampler
 
     SCALARS = (
         "valid_tokens",

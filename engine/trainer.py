@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,7 +24,13 @@ from grpod.engine.errors import EngineError
 from grpod.engine.faults import Faults
 from grpod.engine.flat import flatten_parameters
 from grpod.engine.fused import unsupported as decoder_unsupported
-from grpod.engine.layout import TrunkLayout, micro_layout, run_trunk, trunk_passes
+from grpod.engine.layout import (
+    TrunkLayout,
+    micro_layout,
+    run_trunk,
+    sequence_logprobs,
+    trunk_passes,
+)
 from grpod.engine.lora import apply_lora, reference_mode
 from grpod.engine.loss import LossSettings, policy_token_loss, token_logprobs_entropy
 from grpod.engine.model import load_policy, resolve_device
@@ -37,8 +43,14 @@ from grpod.engine.rollout import Rollout, sample
 from grpod.engine.stats import StepStats
 from grpod.engine.tasks import build_task
 from grpod.engine.tokenizer import encode_prompt, require_chat_template
+from grpod.engine.weight_sync import ProbeScores, WeightSyncCheck, compare, probe_sequence
 
-PHASES = ("rollout", "score", "grad", "optim")  # the engine's phases, in step order
+if TYPE_CHECKING:  # imported on first use: vllm is an extra
+    from grpod.engine.rollout_vllm import VLLMSampler
+
+# the engine's phases, in step order: the weight push into a separate sampler (or the
+# sharded run's rollout copy) and its check are their own phases, never part of "rollout"
+PHASES = ("sync", "sync_check", "rollout", "score", "grad", "optim")
 
 
 class Engine:
@@ -155,9 +167,12 @@ class Engine:
         )
         self.config_digest = config.digest()
         self.cursor = DataCursor()
-        self.vllm = None  # built on first use: rollout_backend = "vllm" (GPU nodes)
+        self.vllm: VLLMSampler | None = None  # built on first use: rollout_backend = "vllm"
+        self.weight_sync: WeightSyncCheck | None = None  # the last push's check (vllm)
+        self._probe: list[int] = []  # the weight-sync probe (engine/weight_sync.py)
         self._pending: StepReport | None = None
         self._phases: dict[str, float] = {}  # this step's phase seconds so far
+        self._inner: list[float] = []  # seconds of phases timed inside the open ones
 
     @property
     def step(self) -> int:
@@ -167,6 +182,11 @@ class Engine:
     @step.setter
     def step(self, value: int) -> None:
         self.cursor.step = value
+
+    @property
+    def weight_version(self) -> int:
+        """The policy's weight version: the updates applied to it (restored by a checkpoint)."""
+        return int(self.scheduler.last_epoch)
 
     @property
     def per_micro_accounting(self) -> bool:
@@ -189,6 +209,7 @@ class Engine:
             out, completions, texts = self.generate(
                 [ids for ids in prompt_ids for _ in range(cfg.group_size)],
                 step_seed(cfg.seed, generation, self.parallel.rank),
+                step=step,
             )
             lengths = out.mask.sum(-1).tolist()
             rewards, function_rewards = self.rewards.score(
@@ -226,7 +247,13 @@ class Engine:
                 injected_faults=faults.injected(step),
             )
             # the rollout's bounded cache travels with the batch: the trainer masks by it
-            batch = replace(batch, kv_cache=self.kv_cache, kv_cache_stats=out.cache_stats)
+            batch = replace(
+                batch,
+                kv_cache=self.kv_cache,
+                kv_cache_stats=out.cache_stats,
+                weight_version=self.weight_version,
+                weight_sync=self.weight_sync if self.vllm is not None else None,
+            )
             if function_rewards:
                 batch = replace(batch, function_rewards=function_rewards)
             if self.parallel.distributed:
@@ -477,12 +504,21 @@ class Engine:
         return out
 
     def generate(
-        self, prompts: list[list[int]], seed: int, temperature: float | None = None
+        self,
+        prompts: list[list[int]],
+        seed: int,
+        temperature: float | None = None,
+        *,
+        step: int | None = None,
     ) -> tuple[Rollout, list[list[int]], list[str]]:
         """Sample one completion per prompt: the rollout (ended at a stop token or string),
-        each completion's ids and the text its rewards see (before any stop string)."""
+        each completion's ids and the text its rewards see (before any stop string).
+        `step`: the training step this rollout is for (its drill faults); None for an eval."""
         if self.parallel.sharded:  # the rollout copy takes the shards' current weights
-            self.parallel.sync_rollout_copy(self.model, self.rollout_model)
+            with self._timed("sync"):
+                self.parallel.sync_rollout_copy(self.model, self.rollout_model)
+        if self.config.rollout_backend == "vllm":
+            self._push_to_sampler(step)
         out = cut_at_stop_strings(
             self._sample(prompts, seed, temperature), self.tokenizer, self.config.stop
         )
@@ -503,13 +539,10 @@ class Engine:
             eos_token_id=self.stop_token_ids,
             pad_token_id=self.tokenizer.pad_token_id,
         )
-        if cfg.rollout_backend == "vllm":
-            if self.vllm is None:
-                from grpod.engine.rollout_vllm import VLLMSampler
-
-                self.vllm = VLLMSampler(self.rollout_model, cfg)
-            self.vllm.sync(self.rollout_model)
-            return self.vllm.sample(prompts, seed=seed, **settings)
+        if self.vllm is not None:  # pushed by `_push_to_sampler`
+            rollout, scores = self.vllm.sample(prompts, seed=seed, probe=self._probe, **settings)
+            self.weight_sync = self._check_sampler(scores)
+            return rollout
         generator = torch.Generator(self.device).manual_seed(seed)
         return sample(
             self.rollout_model,
@@ -520,6 +553,32 @@ class Engine:
             kv_cache=self.kv_cache,
             **settings,
         )
+
+    def _push_to_sampler(self, step: int | None) -> None:
+        """Push the rollout model's weights into vLLM (started on first use); its rollout
+        then scores the weight-sync probe (engine/weight_sync.py)."""
+        if self.vllm is None:
+            from grpod.engine.rollout_vllm import VLLMSampler
+
+            cfg = self.config
+            vocab = min(self.tokenizer.vocab_size, self.model.get_input_embeddings().num_embeddings)
+            self.vllm = VLLMSampler(self.rollout_model, cfg, cfg.weight_sync_probe_tokens)
+            self._probe = probe_sequence(self.vllm.probe_tokens, vocab)
+        with self._timed("sync"):
+            self.vllm.push(self.rollout_model, self.faults.push(step))
+
+    def _check_sampler(self, scores: ProbeScores) -> WeightSyncCheck:
+        """vLLM's logprobs of the probe (and its continuation) against the trainer's."""
+        with self._timed("sync_check"):
+            trainer = sequence_logprobs(
+                self.rollout_model,
+                self._probe + scores.continuation,
+                self.config.dtype,
+                self.device,
+            )
+            return compare(
+                self._probe, scores, trainer, version=self.weight_version, dtype=self.config.dtype
+            )
 
     def encode_prompt(self, text: str) -> list[int]:
         """A prompt's ids as fed to the policy (`prompt_format`), as preflight checks them."""
@@ -537,12 +596,18 @@ class Engine:
 
     @contextmanager
     def _timed(self, phase: str) -> Iterator[None]:
+        """Time `phase`; a phase timed inside another is taken out of the outer one's
+        seconds (the weight sync inside a rollout), so the phases add up to the step."""
         started = time.perf_counter()
+        self._inner.append(0.0)
         try:
             yield
         finally:
             spent = time.perf_counter() - started
-            self._phases[phase] = self._phases.get(phase, 0.0) + spent
+            inner = self._inner.pop()
+            self._phases[phase] = self._phases.get(phase, 0.0) + spent - inner
+            if self._inner:
+                self._inner[-1] += spent
 
     def _take_pending(self) -> StepReport:
         if self._pending is None:

@@ -16,6 +16,23 @@ class _Section(BaseModel):
     enabled: bool = True
 
 
+class WeightSyncConfig(_Section):
+    """The sampler (vLLM) scores a fixed probe after every weight push; the trainer too."""
+
+    max_nats_float32: float = Field(
+        1e-3,
+        gt=0.0,
+        description="largest |sampler - trainer| logprob of a probe token with a float32 "
+        "trainer (measured: ~5e-7 on vLLM's CPU build)",
+    )
+    max_nats_bfloat16: float = Field(
+        0.1, gt=0.0, description="the same with a bfloat16 trunk (bf16 kernels round apart)"
+    )
+    action: ActionName = Field(
+        "HALT", description="the step is never trained on at FLUSH or HALT (its compute skipped)"
+    )
+
+
 class AccountingConfig(_Section):
     """The zero-lr flush: never apply a step whose token accounting is corrupt."""
 
@@ -170,6 +187,7 @@ class GuardsConfig(BaseModel):
         5, ge=0, description="this many flushed steps in a row become a HALT; 0 = never"
     )
     all_reduce: bool = Field(True, description="all-reduce (max) actions under torch.distributed")
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
     accounting: AccountingConfig = AccountingConfig()
     finite: FiniteConfig = FiniteConfig()
     gradnorm_vtc_correlation: CorrelationConfig = CorrelationConfig()

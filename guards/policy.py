@@ -1,8 +1,9 @@
 """`GuardPolicy` combines the guards' findings into one verdict: the `StepPolicy` under which
 `grpod.engine.step.decide_step` decides a step's update.
 
-Order is fixed: reorder (before), accounting, finite, gradnorm_vtc_correlation, spike,
-advantage, sampler_mismatch, clip, dead_campaign, reward_trend, entropy. Under
+Order is fixed: weight_sync and reorder (before), accounting, finite,
+gradnorm_vtc_correlation, spike, advantage, sampler_mismatch, clip, dead_campaign,
+reward_trend, entropy. Under
 torch.distributed every decision (skip, action, the weights check) is all-reduced with max,
 so all ranks apply, flush or skip the same step.
 """
@@ -30,8 +31,10 @@ from grpod.guards.mismatch import SamplerMismatchGuard
 from grpod.guards.reorder import ReorderGuard
 from grpod.guards.spike import SpikeGuard
 from grpod.guards.verdict import Action, Finding, Verdict
+from grpod.guards.weight_sync import WeightSyncGuard
 
 GUARD_CLASSES: tuple[type[Guard], ...] = (
+    WeightSyncGuard,
     ReorderGuard,
     AccountingGuard,
     FiniteGuard,

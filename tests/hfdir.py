@@ -32,8 +32,13 @@ def build_hf_dir(
     pad_token: str | None = "<|endoftext|>",
     model_vocab_size: int | None = None,
     seed: int = 0,
+    hidden_size: int = 64,
+    max_positions: int = 256,
 ) -> Path:
     """Save a tiny Qwen2 and its BPE tokenizer under `where`; returns `where`.
+
+    4 attention heads: `hidden_size` 64 makes heads of 16 (vLLM's CPU attention needs 32 or
+    more: `hidden_size=128`).
 
     `pad_token=None` leaves the tokenizer without a pad token; `model_vocab_size` smaller than
     the tokenizer's makes its special ids fall outside the model's embedding (a bad input).
@@ -73,12 +78,12 @@ def build_hf_dir(
         )
     config = Qwen2Config(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         eos_token_id=eos_id,
         pad_token_id=pad_id,

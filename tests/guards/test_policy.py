@@ -29,6 +29,7 @@ def judge(policy: GuardPolicy, **fields: object):
 
 def test_fixed_order_and_one_verdict() -> None:
     assert [c.name for c in GUARD_CLASSES] == [
+        "weight_sync",
         "reorder",
         "accounting",
         "finite",

@@ -1,0 +1,45 @@
+"""`weight_sync`: the sampler does not hold the weights the trainer pushed into it.
+
+After every push into a separate sampler (vLLM), the engine has both sides score one fixed
+probe (`engine/weight_sync.py`) and the batch carries the result. Above the dtype's
+threshold, or with a non-finite logprob on either side, the step's rollout came from other
+weights than the policy's (a skipped or partial push, a prefix cache still holding KV blocks
+of older weights): at FLUSH or HALT its compute is skipped, so nothing is trained on it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from grpod.engine import TransportBatch
+from grpod.guards.base import Guard
+from grpod.guards.verdict import Action, Finding
+
+
+class WeightSyncGuard(Guard):
+    """Before any compute: the batch's weight-sync check against `max_nats_<dtype>`."""
+
+    name = "weight_sync"
+
+    def before(self, batch: TransportBatch) -> tuple[TransportBatch | None, list[Finding]]:
+        check = batch.weight_sync
+        if check is None:
+            return batch, []
+        limit = (
+            self.config.max_nats_bfloat16
+            if check.dtype == "bfloat16"
+            else self.config.max_nats_float32
+        )
+        if math.isfinite(check.max_abs_diff) and check.max_abs_diff <= limit:
+            return batch, []
+        finding = self.finding(
+            f"weight sync: the sampler disagrees with the trainer (max |Δ| "
+            f"{check.max_abs_diff:.3g} nats at token {check.position} of the "
+            f"{check.tokens + 1}-token probe, weight version {check.version}; limit {limit:g})",
+            max_abs_logprob_diff=check.max_abs_diff,
+            position=float(check.position),
+            weight_version=float(check.version),
+            cached_tokens=float(check.cached_tokens),
+            threshold=limit,
+        )
+        return (None if self.action >= Action.FLUSH else batch), [finding]
