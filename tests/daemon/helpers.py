@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -77,42 +78,76 @@ def tiny_config(path: Path, port: int, engine: dict[str, Any] | None = None, **d
 
 
 class Grpod:
-    """A `grpod run` subprocess whose JSON log lines are collected by a reader thread."""
+    """A `grpod run` subprocess whose JSON log lines are collected by a reader thread.
 
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [GRPOD, "run", *args],
-            cwd=cwd,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    `on_event(event)` runs on that thread for every line as it is read; with `pipe_bytes`
+    the log pipe holds that little (a page at least), so the daemon blocks on its next line
+    until the reader has taken the last ones: what `on_event` samples is never more than a
+    pipe's worth of log behind the daemon, however fast or slow either of them runs.
+    """
+
+    def __init__(
+        self,
+        args: list[str],
+        cwd: Path,
+        env: dict[str, str] | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+        pipe_bytes: int | None = None,
+    ) -> None:
+        read, write = os.pipe()
+        if pipe_bytes is not None:
+            fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, pipe_bytes)  # before the daemon writes
+        try:
+            self.proc = subprocess.Popen(
+                [GRPOD, "run", *args],
+                cwd=cwd,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                stdout=write,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        finally:
+            os.close(write)
+        self._stdout = open(read, encoding="utf-8")  # noqa: SIM115 (the reader closes it)
         self.events: list[dict[str, Any]] = []
         self.stderr = ""
+        self._on_event = on_event
+        self._on_event_error: BaseException | None = None
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.events.append(json.loads(line))
+        with self._stdout:
+            for line in self._stdout:
+                event = json.loads(line)
+                self.events.append(event)
+                if self._on_event is not None and self._on_event_error is None:
+                    try:
+                        self._on_event(event)
+                    except BaseException as exc:  # raised again by wait(); keep draining
+                        self._on_event_error = exc
 
     def wait_event(
         self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 90.0
     ) -> dict[str, Any]:
+        """The first event `predicate` accepts; `timeout` only bounds a wait that fails."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:
+            # taken before the scan: the reader may add the event and end between the two
+            ended = self.proc.poll() is not None and not self._reader.is_alive()
             for event in list(self.events):
                 if predicate(event):
                     return event
-            if self.proc.poll() is not None and not self._reader.is_alive():
+            if ended or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
         raise AssertionError(f"no such event; rc={self.proc.poll()} events={self.events[-3:]}")
 
     def wait_step(self, step: int, timeout: float = 90.0) -> dict[str, Any]:
         return self.wait_event(lambda e: e["event"] == "step" and e["step"] >= step, timeout)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def signal(self, signum: int = signal.SIGTERM) -> None:
         self.proc.send_signal(signum)
@@ -122,6 +157,8 @@ class Grpod:
         self._reader.join(timeout=10)
         assert self.proc.stderr is not None
         self.stderr = self.proc.stderr.read()
+        if self._on_event_error is not None:
+            raise self._on_event_error
         return rc
 
     def event(self, name: str) -> dict[str, Any]:
@@ -131,6 +168,25 @@ class Grpod:
 
     def steps(self) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == "step"]
+
+
+def wait_until(
+    done: Callable[[], bool],
+    what: str,
+    alive: Callable[[], bool] = lambda: True,
+    timeout: float = 120.0,
+    every: float = 0.01,
+) -> None:
+    """Poll `done` every `every` seconds until it holds; fail if `alive` turns false first.
+    `timeout` only bounds a wait that fails: the verdict is `done`, never how long it took."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ended = not alive()  # taken before `done`: it may hold just as the process ends
+        if done():
+            return
+        assert not ended, f"the process ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} in {timeout:.0f} s"
+        time.sleep(every)
 
 
 def run_to_end(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> Grpod:

@@ -140,9 +140,13 @@ def test_read_only_parent_and_full_disk_leave_no_run_dir(tmp_path: Path, mount) 
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [GRPOD, "config", "example"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    proc.stdout.close()  # before the child writes: every write hits a closed pipe
+    read, write = os.pipe()
+    os.close(read)  # gone before the child starts: every write it makes hits a closed pipe
+    try:
+        proc = subprocess.Popen(
+            [GRPOD, "config", "example"], stdout=write, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        os.close(write)
     _, err = proc.communicate(timeout=60)
     assert err == "" and proc.returncode == 141

@@ -1,14 +1,15 @@
 """Bounded disk, automatically: a few hundred steps of a real `grpod run` on a HF model directory
-with a tiny `retention_bytes` stay within it (sampled all along), old checkpoints and batches go,
-incident pins stay and replay, and unchanged checkpoint files are hard links."""
+with a tiny `retention_bytes` stay within it (sampled at every log line: each step, and each
+checkpoint before its prune; the daemon is never more than a page of log ahead of the
+sampler), old checkpoints and batches go, incident pins stay and replay, and unchanged
+checkpoint files are hard links."""
 
 from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,21 +64,15 @@ def test_a_soak_stays_within_retention_bytes_and_incidents_replay(tmp_path: Path
         },
     )
     run_dir = tmp_path / "run"
-    peak, stop = [0], threading.Event()
+    peak = [0]
 
-    def sample() -> None:
-        while not stop.is_set():
-            if run_dir.is_dir():
-                peak[0] = max(peak[0], disk_bytes(run_dir))
-            time.sleep(0.05)
+    def sample(event: dict[str, Any]) -> None:  # on the reader thread, as each line is read
+        peak[0] = max(peak[0], disk_bytes(run_dir))
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    run = Grpod(["--config", str(config), "--run-dir", str(run_dir)], tmp_path)
+    args = ["--config", str(config), "--run-dir", str(run_dir)]
+    run = Grpod(args, tmp_path, on_event=sample, pipe_bytes=4096)
     try:
         run.wait_event(lambda e: e["event"] == "stopped", timeout=600)
-        stop.set()
-        sampler.join()
         _, text = http_get(f"http://127.0.0.1:{port}/metrics")
         metrics = parse_metrics(text)
         run.signal()  # end the linger

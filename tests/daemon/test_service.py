@@ -11,7 +11,6 @@ import socket
 import sqlite3
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -25,11 +24,24 @@ from tests.daemon.helpers import (
     parse_metrics,
     run_to_end,
     tiny_config,
+    wait_until,
     write_config,
 )
+from tests.daemon.stepgate import ENV, SPEC, StepGate
 
 pytestmark = pytest.mark.slow
 STEPS = 8
+COMPLETIONS = TINY_ENGINE["prompts_per_step"] * TINY_ENGINE["group_size"]  # a step's
+
+
+def gated_config(path: Path, **daemon: object) -> Path:
+    """The tiny config scored by the step gate's reward (the task's own, and a hold point)."""
+    return tiny_config(path, free_port(), {"rewards": [SPEC]}, **daemon)
+
+
+def max_recorded(run_dir: Path) -> int:
+    """The highest committed step (-1: none yet); WAL: safe to read while the daemon runs."""
+    return max((step for step, *_ in recorded_steps(run_dir)), default=-1)
 
 
 def recorded_steps(run_dir: Path) -> list[tuple[int, str, int, dict]]:
@@ -62,8 +74,15 @@ class NotifySocket:
                 continue
 
     def close(self) -> None:
+        """Stop the reader, then take what is still queued (the sender has exited)."""
         self._stop = True
         self._thread.join(timeout=2)
+        self.sock.setblocking(False)
+        while True:
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except BlockingIOError:
+                break
         self.sock.close()
 
     def fields(self, key: str) -> list[str]:
@@ -79,8 +98,9 @@ class NotifySocket:
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
     """state_digest() after an uninterrupted STEPS-step run."""
     cwd = tmp_path_factory.mktemp("uninterrupted")
-    config = tiny_config(cwd / "grpod.toml", free_port())
-    g = run_to_end(["--config", str(config), "--run-dir", "run", "--max-steps", str(STEPS)], cwd)
+    config = gated_config(cwd / "grpod.toml")
+    args = ["--config", str(config), "--run-dir", "run", "--max-steps", str(STEPS)]
+    g = run_to_end(args, cwd, ENV)
     stopped = g.event("stopped")
     assert stopped["next_step"] == STEPS
     return stopped["state_digest"]
@@ -91,13 +111,15 @@ def test_metrics_health_notify_and_reload(tmp_path: Path) -> None:
     config = tiny_config(tmp_path / "grpod.toml", port, linger_seconds=60)
     good = config.read_text()
     notify = NotifySocket(tmp_path / "notify.sock")
-    g = Grpod(
-        ["--config", str(config), "--run-dir", "run", "--max-steps", "400"],
+    g = Grpod(  # no max_steps: the run ends at the SIGTERM, however fast it steps
+        ["--config", str(config), "--run-dir", "run", "--max-steps", "0"],
         tmp_path,
         env={"NOTIFY_SOCKET": str(notify.path)},
     )
     try:
         g.wait_step(1)
+        # `grpod status` reports the store's last step: wait until step 1 is committed
+        wait_until(lambda: max_recorded(tmp_path / "run") >= 1, "step 1 committed", g.alive)
         assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200
         live = subprocess.run(
             [GRPOD, "status", "--run-dir", "run", "--json"], cwd=tmp_path, capture_output=True
@@ -163,12 +185,13 @@ def test_metrics_health_notify_and_reload(tmp_path: Path) -> None:
 
 
 def test_sigterm_then_resume_is_bit_identical(tmp_path: Path, uninterrupted: str) -> None:
-    config = tiny_config(tmp_path / "grpod.toml", free_port())
+    config = gated_config(tmp_path / "grpod.toml")
     args = ["--config", str(config), "--run-dir", "run", "--max-steps", str(STEPS)]
     at = random.randint(1, STEPS - 3)
-    g = Grpod(args, tmp_path)
-    g.wait_step(at)
-    g.signal(signal.SIGTERM)
+    gate = StepGate(tmp_path / "gate", at + 1, COMPLETIONS)  # held in step at + 1's compute
+    g = Grpod(args, tmp_path, gate.env)
+    gate.wait_held(g.alive)
+    g.signal(signal.SIGTERM)  # handled, the gate lets the step in flight finish
     assert g.wait() == 0, g.stderr
     stopped = g.event("stopped")
     assert stopped["reason"] == "stopped by SIGTERM"
@@ -183,7 +206,7 @@ def test_sigterm_then_resume_is_bit_identical(tmp_path: Path, uninterrupted: str
     state = json.loads(status.stdout)
     assert state["state"] == "stopped" and state["last_step"] == stopped_at - 1
 
-    resumed = run_to_end(args, tmp_path)
+    resumed = run_to_end(args, tmp_path, ENV)
     assert resumed.event("started")["resumed_from"] == stopped_at
     assert resumed.event("stopped")["state_digest"] == uninterrupted
     records = recorded_steps(tmp_path / "run")
@@ -192,17 +215,18 @@ def test_sigterm_then_resume_is_bit_identical(tmp_path: Path, uninterrupted: str
 
 
 def test_sigkill_then_resume_reruns_and_fsck_passes(tmp_path: Path, uninterrupted: str) -> None:
-    # checkpoints every 4 steps: steps 0.. are recorded before the first periodic checkpoint
-    config = tiny_config(tmp_path / "grpod.toml", free_port(), checkpoint_every=4)
+    # checkpoints every 4 steps: steps 0-1 are recorded after the initial checkpoint only
+    config = gated_config(tmp_path / "grpod.toml", checkpoint_every=4)
     args = ["--config", str(config), "--run-dir", "run", "--max-steps", str(STEPS)]
-    g = Grpod(args, tmp_path)
-    g.wait_step(1)
-    while len(recorded_steps(tmp_path / "run")) < 2:  # committed (WAL: safe to read now)
-        time.sleep(0.005)
+    gate = StepGate(tmp_path / "gate", 2, COMPLETIONS)  # held in step 2: killed, never ends
+    g = Grpod(args, tmp_path, gate.env)
+    gate.wait_held(g.alive)
+    # steps 0 and 1 committed by the writer's interval while step 2 is held
+    wait_until(lambda: max_recorded(tmp_path / "run") >= 1, "steps 0-1 committed", g.alive)
     g.signal(signal.SIGKILL)
     assert g.wait() == -signal.SIGKILL
 
-    resumed = run_to_end(args, tmp_path)
+    resumed = run_to_end(args, tmp_path, ENV)
     started = resumed.event("started")
     assert started["resumed_from"] in (0, 4)
     assert resumed.event("stopped")["state_digest"] == uninterrupted
@@ -263,25 +287,23 @@ HALT_ENGINE = {**TINY_ENGINE, "faults": {"nan_loss_steps": [1, 2]}}
 
 
 def test_second_sigterm_drops_the_step_and_exits_without_checkpoint(tmp_path: Path) -> None:
-    # steps of 1024 completions (~0.5 s idle, more under load) so both signals, 80 ms
-    # apart, land inside one step's compute however fast the engine gets
-    engine = {"prompts_per_step": 64, "group_size": 16, "seq_len": 32, "max_new_tokens": 4}
-    config = tiny_config(tmp_path / "grpod.toml", free_port(), engine, checkpoint_every=100)
-    g = Grpod(["--config", str(config), "--run-dir", "run", "--max-steps", "50"], tmp_path)
-    g.wait_step(1)
-    time.sleep(0.03)  # into step 2's compute (the step event wakes us before step 2 starts)
+    config = gated_config(tmp_path / "grpod.toml", checkpoint_every=100)
+    gate = StepGate(tmp_path / "gate", 2, COMPLETIONS, release=2)  # held in step 2's compute
+    args = ["--config", str(config), "--run-dir", "run", "--max-steps", "50"]
+    g = Grpod(args, tmp_path, gate.env)
+    gate.wait_held(g.alive)
     g.signal(signal.SIGTERM)
-    time.sleep(0.05)  # two pending SIGTERMs would merge into one
+    gate.wait_handled(1, g.alive)  # sent before the first was handled, the two would merge
     g.signal(signal.SIGTERM)  # still in step 2's compute: the step is dropped
     assert g.wait() == 128 + signal.SIGTERM, g.stderr
     stopped = g.event("stopped")
-    assert stopped["reason"].startswith("second SIGTERM")
+    assert stopped["reason"].startswith("second SIGTERM: the step in flight was dropped")
     events = [e["event"] for e in g.events]
     assert "checkpoint" not in events[events.index("stopping") :]
-    assert max(s for s, *_ in recorded_steps(tmp_path / "run")) < stopped["next_step"]
+    assert max(s for s, *_ in recorded_steps(tmp_path / "run")) < stopped["next_step"] == 2
 
     args = ["--config", str(config), "--run-dir", "run", "--max-steps", "2"]
-    resumed = run_to_end(args, tmp_path)
+    resumed = run_to_end(args, tmp_path, ENV)
     assert resumed.event("started")["resumed_from"] == 0
-    fresh = run_to_end([*args[:2], "--run-dir", "fresh", *args[4:]], tmp_path)
+    fresh = run_to_end([*args[:2], "--run-dir", "fresh", *args[4:]], tmp_path, ENV)
     assert resumed.event("stopped")["state_digest"] == fresh.event("stopped")["state_digest"]

@@ -11,6 +11,7 @@ short `parallel = "ddp"` campaign: per-rank rows recorded, one rank replayed in 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from tests.daemon.helpers import (
     free_port,
     http_get,
     parse_metrics,
+    wait_until,
     write_config,
 )
 
@@ -46,6 +48,10 @@ ENGINE = {  # W2 (long prompts, 256-token rows in 4 sequence chunks), one row pe
     "threads": 1,
 }
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+# a SIGTERMed agent's grace for its workers (default 30 s) to finish the step and checkpoint
+# collectively: a failure bound here, not a deadline a slow machine can miss
+GRACE_SECONDS = 180
+STOPPING_ENV = {**ENV, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(GRACE_SECONDS)}
 
 
 def torchrun(*args: str) -> list[str]:
@@ -66,6 +72,40 @@ def _json_lines(log: Path) -> list[str]:
     return [line for line in log.read_text().splitlines() if line.startswith("{")]
 
 
+@contextlib.contextmanager
+def _agent(args: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
+    """A torchrun agent logging to `log`; killed if the test leaves it running."""
+    with open(log, "w") as out:
+        agent = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield agent
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+
+
+def _wait(agent: subprocess.Popen, done: Callable[[], bool], what: str) -> None:
+    """Until `done` holds while the job runs (150 s: a failure bound; polled at 5 Hz)."""
+    wait_until(done, what, lambda: agent.poll() is None, timeout=150, every=0.2)
+
+
+def _status_step(run_dir: Path) -> int:
+    """The last step the run's status file names (-1: none yet)."""
+    status = run_dir / "status.json"
+    try:
+        return json.loads(status.read_text()).get("step") or -1
+    except (OSError, ValueError):
+        return -1
+
+
+def _max_recorded(run_dir: Path) -> int:
+    """The highest step the store has committed (-1: none); WAL: safe while a run writes."""
+    with sqlite3.connect(run_dir / "grpod.sqlite") as db:
+        (step,) = db.execute("SELECT max(step) FROM steps").fetchone()
+    return -1 if step is None else step
+
+
 def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_path) -> None:
     port = free_port()
     config = write_config(
@@ -73,21 +113,11 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_p
         {"engine": ENGINE, "daemon": {"metrics_port": port, "checkpoint_every": 100}},
     )
     run_dir, log = tmp_path / "run", tmp_path / "first.log"
-    with open(log, "w") as out:
-        agent = subprocess.Popen(
-            torchrun("run", "--config", str(config), "--run-dir", str(run_dir), "--max-steps", "0"),
-            env=ENV,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline and agent.poll() is None:
-            status = run_dir / "status.json"
-            if status.is_file() and (json.loads(status.read_text()).get("step") or 0) >= 1:
-                break
-            time.sleep(0.2)
+    args = torchrun("run", "--config", str(config), "--run-dir", str(run_dir), "--max-steps", "0")
+    with _agent(args, log, STOPPING_ENV) as agent:
+        _wait(agent, lambda: _status_step(run_dir) >= 1, "step 1 in status.json")
         agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=90)
+        agent.wait(timeout=GRACE_SECONDS + 60)
     text = log.read_text()
     stopped = events(text, "stopped")
     assert set(stopped) == {0, 1}, text[-3000:]
@@ -101,26 +131,32 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_p
     assert all((checkpoint / f"rank-{r}" / "state.json").is_file() for r in (0, 1))
     assert not list((run_dir / "checkpoints").glob(".*tmp*"))
 
-    last = stop_step + 1
+    # resumed without a step limit: scraped while both ranks run, then stopped by SIGTERM
+    # (a rank that has finished is no longer up; a scrape after the last step races that)
     log = tmp_path / "resumed.log"
-    with open(log, "w") as out:
-        agent = subprocess.Popen(
-            torchrun(
-                "run", "--run-dir", str(run_dir), "--max-steps", str(last + 1), "--linger", "5"
-            ),
-            env=ENV,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-        scraped: dict[str, float] = {}
-        while agent.poll() is None and scraped.get("grpod_step") != last:
-            time.sleep(0.2)
-            try:  # one endpoint, on local rank 0, with both ranks' series
-                scraped = parse_metrics(http_get(f"http://127.0.0.1:{port}/metrics", 2)[1])
-            except OSError:
-                continue
-        assert agent.wait(timeout=180) == 0, log.read_text()[-3000:]
-    started = events(log.read_text(), "started")
+    scraped: dict[str, float] = {}
+
+    def scrape_of_a_resumed_step() -> bool:
+        nonlocal scraped
+        try:  # one endpoint, on local rank 0, with both ranks' series
+            scraped = parse_metrics(http_get(f"http://127.0.0.1:{port}/metrics", 2)[1])
+        except OSError:
+            return False
+        step = scraped.get("grpod_step", -1)  # rank 0 publishes it after every rank's series
+        ranks = [scraped.get(f'grpod_rank_step{{rank="{r}"}}') for r in (0, 1)]
+        return step >= stop_step and ranks == [step, step]
+
+    args = torchrun("run", "--run-dir", str(run_dir), "--max-steps", "0")
+    with _agent(args, log, STOPPING_ENV) as agent:
+        _wait(agent, scrape_of_a_resumed_step, "a scrape of a resumed step")
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=GRACE_SECONDS + 60)
+    text = log.read_text()
+    stopped = events(text, "stopped")
+    assert [stopped.get(r, {}).get("exit_code") for r in (0, 1)] == [0, 0], text[-3000:]
+    last = stopped[0]["next_step"] - 1
+    assert stopped[1]["next_step"] == last + 1 and last >= scraped["grpod_step"]
+    started = events(text, "started")
     assert [started[r]["resumed_from"] for r in (0, 1)] == [stop_step, stop_step]
     # every rank's multiprocess files, of this start's processes only (emptied at start)
     files = list((run_dir / "prometheus" / "node-0").glob("*.db"))
@@ -154,7 +190,8 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_p
         timeout=180,
     )
     rank_valid = [scraped[f'grpod_rank_valid_tokens{{rank="{r}"}}'] for r in (0, 1)]
-    assert rank_valid == [r["valid_tokens"] for r in json.loads(rows[-1][1])["rank_reports"]]
+    scraped_report = json.loads(rows[int(scraped["grpod_step"])][1])  # rows: one per step
+    assert rank_valid == [r["valid_tokens"] for r in scraped_report["rank_reports"]]
     assert scraped["grpod_global_valid_tokens"] == sum(rank_valid)
     assert scraped['grpod_rank_phase_duration_seconds{phase="grad",rank="1"}'] > 0
 
@@ -179,23 +216,21 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_then_resume_and_replay(tmp_p
         "local_loss": rank_1["local_loss"],
     }
 
-    # SIGKILL of one worker: the agent tears the job down (no checkpoint after step last + 1)
+    # SIGKILL of one worker: the agent tears the job down (no checkpoint after step last + 1:
+    # none is due, however long the job runs before the kill)
     log = tmp_path / "killed.log"
-    with open(log, "w") as out:
-        agent = subprocess.Popen(
-            torchrun("run", "--run-dir", str(run_dir), "--max-steps", "1000"),
-            env=ENV,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline and agent.poll() is None:
-            started = events(log.read_text(), "started")
-            steps = [e["step"] for e in map(json.loads, _json_lines(log)) if e["event"] == "step"]
-            if len(started) == 2 and steps and max(steps) >= last + 2:
-                break
-            time.sleep(0.2)
-        os.kill(started[1]["pid"], signal.SIGKILL)
+    never = write_config(
+        tmp_path / "killed.toml",
+        {"engine": ENGINE, "daemon": {"metrics_port": port, "checkpoint_every": 1 << 30}},
+    )
+    args = torchrun("run", "--config", str(never), "--run-dir", str(run_dir), "--max-steps", "0")
+
+    def both_ranks_past_last() -> bool:  # step last + 2 committed: the resume below re-runs it
+        return len(events(log.read_text(), "started")) == 2 and _max_recorded(run_dir) >= last + 2
+
+    with _agent(args, log, ENV) as agent:
+        _wait(agent, both_ranks_past_last, "both ranks and step last + 2")
+        os.kill(events(log.read_text(), "started")[1]["pid"], signal.SIGKILL)
         assert agent.wait(timeout=90) != 0
     killed = [json.loads(line) for line in _json_lines(log)]
     assert not [e for e in killed if e["event"] == "checkpoint"]  # no checkpoint after a failure

@@ -19,9 +19,24 @@ ROOT = Path(__file__).resolve().parents[2]
 GRPOD = str(Path(sys.executable).with_name("grpod"))
 
 
+def stop_while_writing(child: subprocess.Popen, blob_dir: Path) -> None:
+    """Freeze `child` (SIGSTOP) at a moment a blob's temp file exists: the file is being
+    written and not yet renamed into place, and stays so while the child is stopped."""
+    deadline = time.monotonic() + 60  # a liveness bound, not a timing assertion
+    while True:
+        os.kill(child.pid, signal.SIGSTOP)
+        _, status = os.waitpid(child.pid, os.WUNTRACED)  # returns once it is stopped
+        assert os.WIFSTOPPED(status), f"the writer ended: status {status}"
+        if any(p.name.startswith(TEMP_PREFIX) for p in blob_dir.iterdir()):
+            return
+        assert time.monotonic() < deadline, "never saw a blob being written"
+        os.kill(child.pid, signal.SIGCONT)
+        time.sleep(0.001)
+
+
 def kill_writer_mid_write(run_dir: Path, run_id: str, delay_seconds: float | None) -> None:
-    """SIGKILL a recording process after `delay_seconds`, or (None) while a blob's temp file
-    exists: the file is being written and not yet renamed into place."""
+    """SIGKILL a recording process after `delay_seconds` (anywhere: a fuzz of where it
+    stops), or (None) stopped while a blob's temp file exists."""
     child = subprocess.Popen(
         [sys.executable, "-m", "tests.forensics.crash_writer", str(run_dir), run_id],
         cwd=ROOT,
@@ -37,9 +52,7 @@ def kill_writer_mid_write(run_dir: Path, run_id: str, delay_seconds: float | Non
         if delay_seconds is not None:
             time.sleep(delay_seconds)
         else:
-            blob_dir, deadline = run_dir / "blobs" / "sha256", time.monotonic() + 10
-            while not any(p.name.startswith(TEMP_PREFIX) for p in blob_dir.iterdir()):
-                assert time.monotonic() < deadline, "never saw a blob being written"
+            stop_while_writing(child, run_dir / "blobs" / "sha256")
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
