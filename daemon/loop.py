@@ -144,6 +144,9 @@ class Daemon:
     def _start(self) -> None:
         plan, cfg = self.plan, self.config
         self.notifier.extend_timeout(cfg.daemon.checkpoint_timeout_seconds)
+        if cfg.engine.rollout_backend == "vllm":  # vLLM's own log lines, as JSON events
+            os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+            logs.forward_library_logs(self.log, "vllm", cfg.daemon.log_level)
         self.engine = Engine(cfg.engine)  # before the run dir: a bad engine config creates nothing
         if cfg.engine.eval_every:
             self.evaluator = Evaluator(self.engine)

