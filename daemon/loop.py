@@ -53,6 +53,7 @@ from grpod.engine.samples import decode_samples
 from grpod.engine.step import StepResult, decide_step
 from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.forensics.recorder import FlightRecorder
+from grpod.forensics.resume import choose_checkpoint
 from grpod.guards import GuardPolicy
 
 STATUS_INTERVAL_SECONDS = 1.0  # status.json and STATUS= at most this often while running
@@ -209,15 +210,29 @@ class Daemon:
         return None
 
     def _checkpoint_to_restore(self) -> tuple[Path | None, int]:
-        """(the latest checkpoint the store noted that exists, the highest recorded step)."""
+        """(the newest complete checkpoint the store noted, the highest recorded step). A
+        newer missing or damaged one is passed over with a warning naming it and why (its
+        steps are re-run); when checkpoints exist and none is complete: exit 2."""
         store = self.recorder.store
         last = store.last_recorded_step()
         recorded = -1 if last is None else last
-        for checkpoint in reversed(store.noted_checkpoints()):
-            if checkpoint.path.is_dir():
-                return checkpoint.path, recorded
-            self.log.warning("checkpoint missing", step=checkpoint.step, path=str(checkpoint.path))
-        return None, recorded
+        choice = choose_checkpoint(store.noted_checkpoints())
+        chosen = choice.checkpoint
+        for checkpoint, why in choice.skipped:
+            self.log.warning(
+                "checkpoint missing" if why == "missing" else "skipped a damaged checkpoint",
+                step=checkpoint.step,
+                path=str(checkpoint.path),
+                problem=why,
+                resume_from=None if chosen is None else chosen.step,
+            )
+        if chosen is None and choice.damaged:
+            checkpoint, why = choice.damaged[0]
+            raise ConfigError(
+                f"run dir {self.run_dir.path}: no complete checkpoint to resume from "
+                f"(checkpoint step {checkpoint.step}: {why})"
+            )
+        return (None if chosen is None else chosen.path), recorded
 
     def _loop(self) -> int:
         max_steps = self.config.daemon.max_steps

@@ -59,7 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     export.add_argument("out_dir", metavar="DIR")
     export.set_defaults(handler=_incidents_export)
 
-    fsck = sub.add_parser("fsck", parents=[common], help="verify every blob the store names")
+    fsck = sub.add_parser(
+        "fsck", parents=[common], help="verify the store, its blobs and checkpoints"
+    )
     fsck.add_argument("--json", action="store_true")
     fsck.set_defaults(handler=_fsck)
 
@@ -248,8 +250,13 @@ def _fsck(args: argparse.Namespace) -> int:
             print(f"problem: {line}")
         for line in report.notes:
             print(f"note: {line}")
+        if report.resume and report.resume_step is not None:
+            print(report.resume)
         state = "ok" if report.ok else f"{len(report.problems)} problems"
-        print(f"fsck: {report.blobs_checked} blobs checked, {state}")
+        print(
+            f"fsck: {report.blobs_checked} blobs, {report.checkpoints_checked} checkpoints "
+            f"checked, {state}"
+        )
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 
