@@ -55,6 +55,7 @@ from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.forensics.recorder import FlightRecorder
 from grpod.forensics.resume import choose_checkpoint
 from grpod.guards import GuardPolicy
+from grpod.oneline import one_line
 
 STATUS_INTERVAL_SECONDS = 1.0  # status.json and STATUS= at most this often while running
 
@@ -123,9 +124,11 @@ class Daemon:
             return self._loop()
         except AbandonStep:
             return self._abandon("the step in flight was dropped")
-        except Exception as exc:
-            self.log.error("failed", error=f"{type(exc).__name__}: {exc}")
-            return self._shutdown(EXIT_FAILURE, f"failed: {exc}", checkpoint=False)
+        except Exception as exc:  # not the input's (a full disk): one line, exit 1
+            reason = failure_reason(exc)
+            self.log.error("failed", error=reason)
+            print(f"grpod run: error: failed at step {self.engine.step}: {reason}", file=sys.stderr)
+            return self._shutdown(EXIT_FAILURE, f"failed: {reason}", checkpoint=False)
         finally:
             self.signals.restore()
             logs.clear()
@@ -143,10 +146,7 @@ class Daemon:
 
     def _failed_to_start(self, exc: BaseException) -> int:
         """A system failure before the first step (a full disk): one line, exit 1."""
-        if isinstance(exc, OSError) and exc.strerror:
-            reason = exc.strerror + (f" ({exc.filename})" if exc.filename else "")
-        else:  # e.g. safetensors' own error type for a failed write
-            reason = f"{type(exc).__name__}: {(str(exc).strip() or '?').splitlines()[0]}"
+        reason = failure_reason(exc)
         self.log.error("failed", error=reason)
         print(f"grpod run: error: cannot start: {reason}", file=sys.stderr)
         return EXIT_FAILURE
@@ -529,20 +529,22 @@ class Daemon:
         text = self._status_line() if state == "running" else f"{state}: {extra.get('reason', '')}"
         self.notifier.status(text)
         host, port = self.server.address if self.server else ("", 0)
-        self.run_dir.write_status(
-            {
-                "run_id": self.plan.run_id,
-                "pid": os.getpid(),
-                "state": state,
-                "step": self.last_step,
-                "next_step": self.engine.step,
-                "checkpoint_step": self.checkpointed_step,
-                "last_verdict": self.last_verdict,
-                "metrics": f"http://{host}:{port}/metrics" if self.server else None,
-                "updated_at": time.time(),
-                **extra,
-            }
-        )
+        status = {
+            "run_id": self.plan.run_id,
+            "pid": os.getpid(),
+            "state": state,
+            "step": self.last_step,
+            "next_step": self.engine.step,
+            "checkpoint_step": self.checkpointed_step,
+            "last_verdict": self.last_verdict,
+            "metrics": f"http://{host}:{port}/metrics" if self.server else None,
+            "updated_at": time.time(),
+            **extra,
+        }
+        try:  # a live view: a full disk must not turn a stop into a traceback
+            self.run_dir.write_status(status)
+        except OSError as exc:
+            self.log.warning("status not written", error=failure_reason(exc))
 
 
 class NoRecorder:
@@ -565,6 +567,15 @@ class NoRecorder:
 
     def close(self) -> None:
         pass
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One line for a failure that is not the input's: an OSError's reason and file
+    (`No space left on device (/var/lib/grpod/run/status.json)`), else the error quoted whole
+    (safetensors' own error type for a failed write)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+    return one_line(exc)
 
 
 def _verdict_text(verdict: Verdict) -> str:

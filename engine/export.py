@@ -9,6 +9,7 @@ DCP directory of every rank's shards) is consolidated into the same one director
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ from grpod.engine.errors import EngineError
 from grpod.engine.lora import apply_lora
 from grpod.engine.model import load_policy
 from grpod.engine.tasks import task_chars
+from grpod.oneline import one_line
 
 
 def export_pretrained(
@@ -59,6 +61,9 @@ def export_pretrained(
     shutil.rmtree(tmp, ignore_errors=True)
     if adapters is not None and not adapter:
         model = adapters.merge_and_unload()  # W + alpha / r * B A, adapters removed
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr is for the one line an error gets
     try:
         if adapter:
             adapters.save_pretrained(tmp, safe_serialization=True)
@@ -68,7 +73,15 @@ def export_pretrained(
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)
-    except OSError as exc:
+    except BaseException as exc:  # nothing partial is left, whatever stopped the write
         shutil.rmtree(tmp, ignore_errors=True)
-        raise EngineError(f"export {out}: cannot write: {exc.strerror or exc}") from None
+        if not isinstance(exc, Exception):
+            raise
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else one_line(exc)
+        if getattr(exc, "errno", None) in DISK_FULL or "os error 28" in str(exc):
+            raise OSError(f"export {out}: cannot write: {reason}") from None  # exit 1
+        raise EngineError(f"export {out}: cannot write: {reason}") from None
     return out
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # the machine's fault, not the argument's
