@@ -90,6 +90,9 @@ class EngineConfig(BaseModel):
     reward_weights: list[float] = Field(
         default_factory=list, description="one weight per rewards entry; [] = all 1.0"
     )
+    reward_path: str = Field(
+        "", description="directory reward modules import from; grpod run records its cwd"
+    )
     reward_timeout_seconds: float = Field(
         60.0, ge=0.0, description="a reward call running longer is the reward's failure; 0 = none"
     )

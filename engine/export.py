@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from grpod.engine import distcp
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
+from grpod.engine.inputs import BUILTIN_MODEL
 from grpod.engine.lora import apply_lora
 from grpod.engine.model import load_policy
 from grpod.engine.tasks import task_chars
@@ -40,7 +41,9 @@ def export_pretrained(
     weights_file = checkpoint / "model.safetensors"
     if not sharded and not weights_file.is_file():
         raise EngineError(f"checkpoint {checkpoint}: missing model.safetensors")
-    model, tokenizer = load_policy(config.model, task_chars(config.task), config.seq_len)
+    # only the built-in model's character tokenizer is made from the task's text
+    chars = task_chars(config.task) if config.model == BUILTIN_MODEL else ""
+    model, tokenizer = load_policy(config.model, chars, config.seq_len)
     adapters = apply_lora(model, config.lora, config.seed) if config.lora.rank else None
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if sharded:

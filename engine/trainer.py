@@ -24,6 +24,7 @@ from grpod.engine.errors import EngineError, RewardError
 from grpod.engine.faults import Faults
 from grpod.engine.flat import flatten_parameters
 from grpod.engine.fused import unsupported as decoder_unsupported
+from grpod.engine.inputs import use_reward_path
 from grpod.engine.layout import TrunkLayout, micro_layout, run_trunk, trunk_passes
 from grpod.engine.lora import apply_lora, reference_mode
 from grpod.engine.loss import LossSettings, policy_token_loss, token_logprobs_entropy
@@ -89,6 +90,7 @@ class Engine:
             torch.set_num_threads(config.threads)
         # drill hooks: identity unless [engine.faults] (and this rank is one of its ranks)
         self.faults = Faults(config.faults, self.parallel.rank)
+        use_reward_path(config)  # the run's working directory, wherever this runs
         self.task = build_task(
             config.task,
             config.reward,

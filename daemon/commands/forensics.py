@@ -90,6 +90,9 @@ def _replay(args: argparse.Namespace) -> int:
 
     if (args.incident is None) == (args.step is None):
         raise ForensicsError("give an INCIDENT_ID or --step N (exactly one)")
+    from grpod.daemon.rundir import RunDir
+
+    RunDir(args.run_dir).check_inputs()  # a moved or changed model or task is named
     progress = _ProgressBar() if sys.stderr.isatty() else None
     result = replay(
         args.run_dir,
