@@ -11,7 +11,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-from grpod.daemon.exitcodes import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED
+from grpod.daemon.exitcodes import (
+    EXIT_BAD_INPUT,
+    EXIT_BROKEN_PIPE,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise
         return EXIT_BROKEN_PIPE
+    except OSError as exc:  # not the input's (a full disk during export): one line, exit 1
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"grpod {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

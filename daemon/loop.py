@@ -1,8 +1,9 @@
 """The training service: rollout -> guarded step -> metrics and log -> record -> checkpoint.
 
 `Daemon(plan).run()` returns the exit code: 0 finished or stopped (SIGTERM/SIGINT after the
-step in flight, a checkpoint and a drained recorder), 3 HALT (after a checkpoint), 1 a
-failure in the loop, 128+signum when a second stop signal abandoned the step in flight.
+step in flight, a checkpoint and a drained recorder), 3 HALT (after a checkpoint), 2 a reward
+that failed mid-run (after a checkpoint; one line on stderr), 1 a failure in the loop,
+128+signum when a second stop signal abandoned the step in flight.
 Resume: the latest checkpoint the store knows is restored (model, optimizer, schedule, data
 cursor, guard state); steps the store recorded after it are re-run and recorded as re-runs.
 """
@@ -26,7 +27,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 from grpod.daemon import distributed, logs
 from grpod.daemon.config import GrpodConfig, load_config
 from grpod.daemon.errors import BAD_INPUT_ERRORS, ConfigError
-from grpod.daemon.exitcodes import EXIT_FAILURE, EXIT_HALT, EXIT_OK, exit_by_signal
+from grpod.daemon.exitcodes import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    EXIT_HALT,
+    EXIT_OK,
+    exit_by_signal,
+)
 from grpod.daemon.health import Health, HealthServer
 from grpod.daemon.metrics import (
     Metrics,
@@ -40,12 +47,15 @@ from grpod.daemon.retention import Retention
 from grpod.daemon.rundir import Plan, link_latest
 from grpod.daemon.signals import AbandonStep, Signals
 from grpod.engine import Engine, distcp
+from grpod.engine.errors import RewardError
 from grpod.engine.eval import Evaluator
 from grpod.engine.samples import decode_samples
-from grpod.engine.step import decide_step
-from grpod.engine.verdict import Action, Verdict
+from grpod.engine.step import StepResult, decide_step
+from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.forensics.recorder import FlightRecorder
+from grpod.forensics.resume import choose_checkpoint
 from grpod.guards import GuardPolicy
+from grpod.oneline import one_line
 
 STATUS_INTERVAL_SECONDS = 1.0  # status.json and STATUS= at most this often while running
 
@@ -90,6 +100,7 @@ class Daemon:
         self.checkpointed_step = -1
         self.last_verdict = "none"
         self.last_step: int | None = None  # the last step this process finished
+        self.input_failure: str | None = None  # a reward's failure: stop with exit 2
         self._status_written = -math.inf
 
     # ----------------------------------------------------------------- lifecycle
@@ -113,9 +124,11 @@ class Daemon:
             return self._loop()
         except AbandonStep:
             return self._abandon("the step in flight was dropped")
-        except Exception as exc:
-            self.log.error("failed", error=f"{type(exc).__name__}: {exc}")
-            return self._shutdown(EXIT_FAILURE, f"failed: {exc}", checkpoint=False)
+        except Exception as exc:  # not the input's (a full disk): one line, exit 1
+            reason = failure_reason(exc)
+            self.log.error("failed", error=reason)
+            print(f"grpod run: error: failed at step {self.engine.step}: {reason}", file=sys.stderr)
+            return self._shutdown(EXIT_FAILURE, f"failed: {reason}", checkpoint=False)
         finally:
             self.signals.restore()
             logs.clear()
@@ -133,10 +146,7 @@ class Daemon:
 
     def _failed_to_start(self, exc: BaseException) -> int:
         """A system failure before the first step (a full disk): one line, exit 1."""
-        if isinstance(exc, OSError) and exc.strerror:
-            reason = exc.strerror + (f" ({exc.filename})" if exc.filename else "")
-        else:  # e.g. safetensors' own error type for a failed write
-            reason = f"{type(exc).__name__}: {(str(exc).strip() or '?').splitlines()[0]}"
+        reason = failure_reason(exc)
         self.log.error("failed", error=reason)
         print(f"grpod run: error: cannot start: {reason}", file=sys.stderr)
         return EXIT_FAILURE
@@ -203,15 +213,29 @@ class Daemon:
         return None
 
     def _checkpoint_to_restore(self) -> tuple[Path | None, int]:
-        """(the latest checkpoint the store noted that exists, the highest recorded step)."""
+        """(the newest complete checkpoint the store noted, the highest recorded step). A
+        newer missing or damaged one is passed over with a warning naming it and why (its
+        steps are re-run); when checkpoints exist and none is complete: exit 2."""
         store = self.recorder.store
         last = store.last_recorded_step()
         recorded = -1 if last is None else last
-        for checkpoint in reversed(store.noted_checkpoints()):
-            if checkpoint.path.is_dir():
-                return checkpoint.path, recorded
-            self.log.warning("checkpoint missing", step=checkpoint.step, path=str(checkpoint.path))
-        return None, recorded
+        choice = choose_checkpoint(store.noted_checkpoints())
+        chosen = choice.checkpoint
+        for checkpoint, why in choice.skipped:
+            self.log.warning(
+                "checkpoint missing" if why == "missing" else "skipped a damaged checkpoint",
+                step=checkpoint.step,
+                path=str(checkpoint.path),
+                problem=why,
+                resume_from=None if chosen is None else chosen.step,
+            )
+        if chosen is None and choice.damaged:
+            checkpoint, why = choice.damaged[0]
+            raise ConfigError(
+                f"run dir {self.run_dir.path}: no complete checkpoint to resume from "
+                f"(checkpoint step {checkpoint.step}: {why})"
+            )
+        return (None if chosen is None else chosen.path), recorded
 
     def _loop(self) -> int:
         max_steps = self.config.daemon.max_steps
@@ -225,6 +249,8 @@ class Daemon:
                 action = self._step()
             if self.signals.abandon_signal is not None:
                 break  # a second stop signal while recording: exit now, no checkpoint
+            if self.input_failure is not None:  # a reward that failed: checkpoint, exit 2
+                return self._shutdown(EXIT_BAD_INPUT, self.input_failure)
             if action == Action.HALT:
                 return self._shutdown(
                     EXIT_HALT, f"HALT at step {self.engine.step - 1}: {self.last_verdict}"
@@ -233,6 +259,8 @@ class Daemon:
                 self._checkpoint("periodic")
             if self.evaluator is not None and self.engine.step % self.config.engine.eval_every == 0:
                 self._evaluate()
+                if self.input_failure is not None:  # eval_on_error = "stop"
+                    return self._shutdown(EXIT_BAD_INPUT, self.input_failure)
         if self.signals.abandon_signal is not None:
             return self._abandon("after the step in flight")
         if self.signals.stop_requested:
@@ -245,7 +273,12 @@ class Daemon:
         engine, policy = self.engine, self.policy
         self.notifier.watchdog()
         self.signals.abortable = True
-        result = decide_step(engine, policy, engine.rollout())
+        try:
+            result = decide_step(engine, policy, engine.rollout())
+        except RewardError as exc:
+            if exc.batch is None:
+                raise
+            result = self._unscored_step(exc)
         self.signals.abortable = False
 
         report, verdict, outcome = result.report, result.verdict, result.outcome
@@ -306,6 +339,21 @@ class Daemon:
             self.progress.update(report.step, report.reward_mean, verdict.action.name)
         return verdict.action
 
+    def _unscored_step(self, exc: RewardError) -> StepResult:
+        """A reward failed on the step in flight: nothing is trained on; the step is recorded
+        as skipped with its samples (NaN rewards) under a HALT finding of the `reward` guard,
+        so an incident keeps them, and the loop stops with exit 2 (the input's fault: no
+        restart into the same failure). The cursor stays at the step: after a fix it runs."""
+        batch = exc.batch
+        report = self.engine.skip(batch)
+        self.engine.step = batch.step
+        finding = Finding(
+            "reward", Action.HALT, str(exc), {"sample": float(exc.sample)}, kind="failed"
+        )
+        self.input_failure = f"step {batch.step}: {exc}"
+        phases = {**self.engine.take_phase_seconds(), "guards": 0.0}
+        return StepResult(batch, report, Verdict.of([finding]), Outcome.SKIPPED, phases)
+
     # ----------------------------------------------------------------- checkpoints, reload
     def _checkpoint(self, reason: str) -> None:
         step = self.engine.step
@@ -357,12 +405,38 @@ class Daemon:
     def _evaluate(self) -> None:
         """Held-out evaluation of the policy as it stands (engine/eval.py): stored, published
         and logged; the policy, the data cursor and the next batch are untouched."""
-        result = self.evaluator.run()
+        try:
+            result = self.evaluator.run()
+        except RewardError as exc:
+            self._eval_failed(exc)
+            return
         self.recorder.note_eval(result.to_dict())
         if self.metrics is not None:
             self.metrics.observe_eval(result.step, result.rewards)
             self.metrics.phase_seconds.labels("eval").observe(result.seconds)
         self.log.info("eval", **result.to_dict())
+
+    def _eval_failed(self, exc: RewardError) -> None:
+        """An eval reward failed: the eval is stored as failed (total NaN, the error beside
+        it) and WARNed; training goes on unless `eval_on_error = "stop"` (then exit 2)."""
+        step = self.engine.step
+        error = f"eval at step {step}: {exc}"
+        self.recorder.note_eval(
+            {
+                "step": step,
+                "samples": 0,
+                "temperature": self.config.engine.eval_temperature,
+                "rewards": {"total": math.nan, "error": error},
+                "completion_length_mean": 0.0,  # NOT NULL (SQLite stores NaN as NULL)
+                "seconds": 0.0,
+            }
+        )
+        if self.metrics is not None:
+            self.metrics.observe_eval(step, {"total": math.nan})
+        stop = self.config.engine.eval_on_error == "stop"
+        self.log.warning("eval failed", error=error, action="stop" if stop else "continue")
+        if stop:
+            self.input_failure = error
 
     def _reload_guards(self) -> None:
         """SIGHUP: new guard thresholds from the config file; the engine is never reloaded."""
@@ -387,9 +461,14 @@ class Daemon:
         stops = self.signals.stop_count  # one more while shutting down ends the linger too
         if self.progress is not None:
             self.progress.finish()
-        state = {EXIT_OK: "stopped", EXIT_HALT: "halted", EXIT_FAILURE: "failed"}.get(
-            code, "abandoned"
-        )
+        state = {
+            EXIT_OK: "stopped",
+            EXIT_HALT: "halted",
+            EXIT_FAILURE: "failed",
+            EXIT_BAD_INPUT: "refused",
+        }.get(code, "abandoned")
+        if code == EXIT_BAD_INPUT:  # the input's fault: one line, as the CLI's own errors
+            print(f"grpod run: error: {reason}", file=sys.stderr)
         self.notifier.stopping(f"{state}: {reason}")
         self.health.stop(reason)
         if self.metrics is not None:
@@ -457,20 +536,22 @@ class Daemon:
         text = self._status_line() if state == "running" else f"{state}: {extra.get('reason', '')}"
         self.notifier.status(text)
         host, port = self.server.address if self.server else ("", 0)
-        self.run_dir.write_status(
-            {
-                "run_id": self.plan.run_id,
-                "pid": os.getpid(),
-                "state": state,
-                "step": self.last_step,
-                "next_step": self.engine.step,
-                "checkpoint_step": self.checkpointed_step,
-                "last_verdict": self.last_verdict,
-                "metrics": f"http://{host}:{port}/metrics" if self.server else None,
-                "updated_at": time.time(),
-                **extra,
-            }
-        )
+        status = {
+            "run_id": self.plan.run_id,
+            "pid": os.getpid(),
+            "state": state,
+            "step": self.last_step,
+            "next_step": self.engine.step,
+            "checkpoint_step": self.checkpointed_step,
+            "last_verdict": self.last_verdict,
+            "metrics": f"http://{host}:{port}/metrics" if self.server else None,
+            "updated_at": time.time(),
+            **extra,
+        }
+        try:  # a live view: a full disk must not turn a stop into a traceback
+            self.run_dir.write_status(status)
+        except OSError as exc:
+            self.log.warning("status not written", error=failure_reason(exc))
 
 
 class NoRecorder:
@@ -493,6 +574,15 @@ class NoRecorder:
 
     def close(self) -> None:
         pass
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One line for a failure that is not the input's: an OSError's reason and file
+    (`No space left on device (/var/lib/grpod/run/status.json)`), else the error quoted whole
+    (safetensors' own error type for a failed write)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+    return one_line(exc)
 
 
 def _verdict_text(verdict: Verdict) -> str:

@@ -21,6 +21,8 @@ from grpod.daemon.config import DEFAULT_ROOT, GrpodConfig, load_config, validate
 from grpod.daemon.errors import ConfigError
 from grpod.daemon.example import dump_toml
 from grpod.daemon.lock import RunDirLock
+from grpod.engine.errors import EngineError
+from grpod.engine.inputs import absolute, check_inputs, input_digests
 from grpod.fileio import atomic_dir, write_atomic
 
 CONFIG_NAME = "config.toml"
@@ -70,7 +72,12 @@ class RunDir:
                 # locked before it has its name: a second process never sees it unowned
                 self.held = RunDirLock.acquire(tmp, shown_as=str(self.path))
                 (tmp / CONFIG_NAME).write_text(dump_toml(config), encoding="utf-8")
-                record = {"run_id": run_id, "created_at": time.time(), "config": CONFIG_NAME}
+                record = {
+                    "run_id": run_id,
+                    "created_at": time.time(),
+                    "config": CONFIG_NAME,
+                    "inputs": input_digests(config.engine),  # engine/inputs.py
+                }
                 (tmp / RUN_NAME).write_text(json.dumps(record) + "\n", encoding="utf-8")
         except OSError as exc:
             if self.held is not None:
@@ -82,6 +89,20 @@ class RunDir:
             raise ConfigError(
                 f"run dir {self.path}: cannot create: {exc.strerror or exc}{where}"
             ) from None
+
+    def check_inputs(self, under: str = "") -> None:
+        """ConfigError naming a model or task file (`under`: only those in that directory)
+        that moved or changed since the run."""
+        try:
+            recorded = json.loads((self.path / RUN_NAME).read_text()).get("inputs", {})
+        except (OSError, ValueError):
+            return  # run_id() names an unreadable run.json
+        if under:
+            recorded = {f: d for f, d in recorded.items() if Path(f).parent == Path(under)}
+        try:
+            check_inputs(recorded, f"run dir {self.path}")
+        except EngineError as exc:
+            raise ConfigError(str(exc)) from None
 
     def discard(self) -> None:
         """Remove a run directory this process created and could not start (nothing in it
@@ -137,6 +158,8 @@ def resolve_plan(config_file: str | None, run_dir: str | None, overrides: dict[s
     run_id = new_run_id()
     target = RunDir(where or DEFAULT_ROOT / run_id)
     link = None if where else DEFAULT_ROOT / "latest"
+    if given is not None:  # its relative paths are the cwd's: recorded absolute (self-contained)
+        given = given.model_copy(update={"engine": absolute(given.engine)})
     if target.is_run():
         base = load_config(target.config_path)
         if given is not None:
@@ -147,6 +170,7 @@ def resolve_plan(config_file: str | None, run_dir: str | None, overrides: dict[s
         if target.path.exists() and (not target.path.is_dir() or any(target.path.iterdir())):
             raise ConfigError(f"run dir {target.path}: exists and is not a grpod run directory")
         config = given or GrpodConfig()
+        config = config.model_copy(update={"engine": absolute(config.engine)})
         resume = False
     daemon = {**config.daemon.model_dump(), "run_dir": str(target.path), **overrides}
     config = validate({**config.model_dump(), "daemon": daemon}, "command line")

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from grpod.engine.errors import EngineError
 from grpod.fileio import atomic_dir
+from grpod.oneline import one_line
 
 FORMAT = "grpod.checkpoint/2"
 TENSOR = "__tensor__"  # {"__tensor__": "file.safetensors:key"}: a tensor in a file
@@ -133,3 +134,74 @@ def _files(value: Any) -> set[str]:
 
 def _lambda_free(value: Any) -> Any:
     return None  # LambdaLR keeps its lambdas out of state_dict; anything else unknown is dropped
+
+
+def checkpoint_problems(path: str | os.PathLike) -> list[str]:
+    """What keeps `load_checkpoint` from restoring directory `path` completely, without
+    loading a tensor: state.json parses and has this format; every file it refers to exists;
+    every safetensors file there is complete (its header parses, its data ends exactly at the
+    end of the file) and holds every tensor referred to. Empty = complete."""
+    where = Path(path)
+    if not where.is_dir():
+        return ["missing"]
+    try:
+        state = json.loads((where / "state.json").read_text())
+    except FileNotFoundError:
+        return ["no state.json"]
+    except (OSError, ValueError) as exc:
+        return [f"state.json unreadable: {one_line(exc, with_type=False)}"]
+    found = state.get("format") if isinstance(state, dict) else None
+    if found != FORMAT:
+        return [f"state.json: format {found!r}, not {FORMAT}"]
+    wanted: dict[str, set[str]] = {}
+    _references(state.get("states", {}), wanted)
+    for present in where.glob("*.safetensors"):  # a file there but not referred to: whole too
+        wanted.setdefault(present.name, set())
+    problems = []
+    for file in sorted(wanted):
+        keys, why = safetensors_keys(where / file)
+        if why:
+            problems.append(f"{file}: {why}")
+        elif wanted[file] - keys:
+            problems.append(f"{file}: holds no tensor {sorted(wanted[file] - keys)[0]!r}")
+    return problems
+
+
+def safetensors_keys(path: Path) -> tuple[set[str], str]:
+    """(the tensor names of safetensors file `path`, "") or (set(), why it is not complete)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if length < 2 or 8 + length > size:
+                return set(), f"truncated ({size} bytes, no complete header)"
+            header = json.loads(f.read(length))
+    except FileNotFoundError:
+        return set(), "missing"
+    except (OSError, ValueError) as exc:
+        return set(), f"unreadable header: {one_line(exc, with_type=False)}"
+    if not isinstance(header, dict):
+        return set(), "unreadable header: not a JSON object"
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    try:
+        end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        return set(), "unreadable header: a tensor without data_offsets"
+    if 8 + length + end != size:
+        return set(), f"truncated ({size} bytes, its header says {8 + length + end})"
+    return set(tensors), ""
+
+
+def _references(value: Any, out: dict[str, set[str]]) -> None:
+    """{file: tensor keys} a saved state refers to."""
+    if isinstance(value, dict):
+        if TENSOR in value:
+            file, key = str(value[TENSOR]).split(":", 1)
+            out.setdefault(file, set()).add(key)
+            return
+        for v in value.values():
+            _references(v, out)
+    elif isinstance(value, list):
+        for v in value:
+            _references(v, out)

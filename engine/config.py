@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from typing import Literal
 
@@ -109,6 +110,12 @@ class EngineConfig(BaseModel):
     reward_weights: list[float] = Field(
         default_factory=list, description="one weight per rewards entry; [] = all 1.0"
     )
+    reward_path: str = Field(
+        "", description="directory reward modules import from; grpod run records its cwd"
+    )
+    reward_timeout_seconds: float = Field(
+        60.0, ge=0.0, description="a reward call running longer is the reward's failure; 0 = none"
+    )
     prompt_format: Literal["raw", "chat"] = Field(
         "raw", description="raw text, or the tokenizer's chat_template with a generation prompt"
     )
@@ -171,6 +178,9 @@ class EngineConfig(BaseModel):
     eval_every: int = Field(0, ge=0, description="evaluate every K steps; 0 = never")
     eval_samples: int = Field(16, ge=1, description="prompts per evaluation, one completion each")
     eval_temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    eval_on_error: Literal["warn", "stop"] = Field(
+        "warn", description="a failing eval reward: warn and train on, or stop the run (exit 2)"
+    )
     # advantages
     scale_rewards: Literal["group", "batch", "none"] = "group"
     advantage_std: Literal["population", "sample"] = Field(
@@ -230,6 +240,9 @@ class EngineConfig(BaseModel):
         self._check_kv_cache()
         if self.reward and self.rewards:
             raise ValueError("give reward or rewards, not both")
+        bad = [w for w in self.reward_weights if not math.isfinite(w)]
+        if bad:
+            raise ValueError(f"reward_weights must be finite (got {bad[0]})")
         if self.reward_weights and len(self.reward_weights) != len(self.rewards):
             raise ValueError(
                 f"reward_weights has {len(self.reward_weights)} entries, "

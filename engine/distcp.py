@@ -27,10 +27,11 @@ from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
 
-from grpod.engine.checkpoint import load_checkpoint, save_checkpoint
+from grpod.engine.checkpoint import checkpoint_problems, load_checkpoint, save_checkpoint
 from grpod.engine.errors import EngineError
 from grpod.engine.parallel import Parallel
 from grpod.fileio import atomic_dir
+from grpod.oneline import one_line
 
 FORMAT = "grpod.dcp_checkpoint/2"
 
@@ -95,8 +96,8 @@ def load(
         shared[name] = {k: template[k] for k in keys}
     try:
         dcp.load(shared, checkpoint_id=str(where))
-    except Exception as exc:  # DCP raises its own CheckpointException across ranks
-        raise EngineError(f"checkpoint {where}: cannot load: {str(exc).splitlines()[0]}") from None
+    except LOAD_ERRORS as exc:  # DCP's CheckpointException is a BaseException
+        raise EngineError(f"checkpoint {where}: cannot load: {_dcp_reason(exc)}") from None
     saved_world = int(state.get("world_size", 0))
     same = saved_world == parallel.world_size
     rest = {name: _Fixed({}) for name in states}
@@ -120,9 +121,65 @@ def load_model_weights(path: str | os.PathLike, params: dict[str, Any]) -> dict[
     weights = {name: torch.empty_like(tensor) for name, tensor in params.items()}
     try:
         dcp.load({"engine": {"model": weights}}, checkpoint_id=str(path))
-    except Exception as exc:  # DCP raises its own CheckpointException
-        raise EngineError(f"checkpoint {path}: cannot load: {str(exc).splitlines()[0]}") from None
+    except LOAD_ERRORS as exc:  # DCP's CheckpointException is a BaseException
+        raise EngineError(f"checkpoint {path}: cannot load: {_dcp_reason(exc)}") from None
     return weights
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+LOAD_ERRORS = _load_errors()
+
+
+def _dcp_reason(exc: BaseException) -> str:
+    """A CheckpointException's first rank failure (its message is `ranks:dict_keys([0])`)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, cause = next(iter(sorted(failures.items())))
+        cause = cause.exception if hasattr(cause, "exception") else cause
+        return f"rank {rank}: {one_line(cause) if isinstance(cause, BaseException) else cause}"
+    return one_line(exc)
+
+
+def problems(path: str | os.PathLike) -> list[str]:
+    """What keeps `load` from restoring checkpoint directory `path` (either format), checked
+    without loading a tensor; empty = complete. For DCP: `.metadata` loads, every shard file it
+    names exists and is as long as the metadata says, state.json has the format, and every
+    rank's `rank-R/` checkpoint is complete."""
+    where = Path(path)
+    if not is_dcp(where):
+        return checkpoint_problems(where)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(where)).read_metadata()
+    except LOAD_ERRORS as exc:
+        return [f".metadata unreadable: {one_line(exc)}"]
+    found: list[str] = []
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(info.relative_path)
+        ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(ends.items()):
+        file = where / name
+        size = file.stat().st_size if file.is_file() else None
+        if size is None:
+            found.append(f"{name}: missing")
+        elif size < end:
+            found.append(f"{name}: truncated ({size} bytes, .metadata says {end})")
+    try:
+        state = json.loads((where / "state.json").read_text())
+    except (OSError, ValueError) as exc:
+        return [*found, f"state.json unreadable: {one_line(exc, with_type=False)}"]
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        return [*found, f"state.json: format not {FORMAT}"]
+    for rank in range(int(state.get("world_size", 0))):
+        found += [f"rank-{rank}/{p}" for p in checkpoint_problems(where / f"rank-{rank}")]
+    return found
 
 
 def is_dcp(path: str | os.PathLike) -> bool:

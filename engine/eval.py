@@ -45,7 +45,9 @@ class Evaluator:
             raise EngineError("eval: no eval_task configured")
         self.engine = engine
         self.task = build_task(cfg.eval_task, cfg.reward, cfg.long_prompt_batch_fraction)
-        self.rewards = RewardSet(self.task, cfg.rewards, cfg.reward_weights)
+        self.rewards = RewardSet(
+            self.task, cfg.rewards, cfg.reward_weights, cfg.reward_timeout_seconds
+        )
         self.prompts = self.task.prompts_for_step(0, cfg.eval_samples, cfg.seed)
         self.prompt_ids = [
             encode_prompt(

@@ -9,6 +9,7 @@ DCP directory of every rank's shards) is consolidated into the same one director
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -19,9 +20,11 @@ from safetensors.torch import load_file
 from grpod.engine import distcp
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
+from grpod.engine.inputs import BUILTIN_MODEL
 from grpod.engine.lora import apply_lora
 from grpod.engine.model import load_policy
 from grpod.engine.tasks import task_chars
+from grpod.oneline import one_line
 
 
 def export_pretrained(
@@ -38,7 +41,9 @@ def export_pretrained(
     weights_file = checkpoint / "model.safetensors"
     if not sharded and not weights_file.is_file():
         raise EngineError(f"checkpoint {checkpoint}: missing model.safetensors")
-    model, tokenizer = load_policy(config.model, task_chars(config.task), config.seq_len)
+    # only the built-in model's character tokenizer is made from the task's text
+    chars = task_chars(config.task) if config.model == BUILTIN_MODEL else ""
+    model, tokenizer = load_policy(config.model, chars, config.seq_len)
     adapters = apply_lora(model, config.lora, config.seed) if config.lora.rank else None
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if sharded:
@@ -59,6 +64,9 @@ def export_pretrained(
     shutil.rmtree(tmp, ignore_errors=True)
     if adapters is not None and not adapter:
         model = adapters.merge_and_unload()  # W + alpha / r * B A, adapters removed
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr is for the one line an error gets
     try:
         if adapter:
             adapters.save_pretrained(tmp, safe_serialization=True)
@@ -68,7 +76,15 @@ def export_pretrained(
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)
-    except OSError as exc:
+    except BaseException as exc:  # nothing partial is left, whatever stopped the write
         shutil.rmtree(tmp, ignore_errors=True)
-        raise EngineError(f"export {out}: cannot write: {exc.strerror or exc}") from None
+        if not isinstance(exc, Exception):
+            raise
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else one_line(exc)
+        if getattr(exc, "errno", None) in DISK_FULL or "os error 28" in str(exc):
+            raise OSError(f"export {out}: cannot write: {reason}") from None  # exit 1
+        raise EngineError(f"export {out}: cannot write: {reason}") from None
     return out
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # the machine's fault, not the argument's

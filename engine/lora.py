@@ -17,6 +17,7 @@ import torch
 
 from grpod.engine.config import LoraConfig
 from grpod.engine.errors import EngineError
+from grpod.oneline import one_line
 
 
 def apply_lora(model: torch.nn.Module, settings: LoraConfig, seed: int) -> Any:
@@ -39,7 +40,7 @@ def apply_lora(model: torch.nn.Module, settings: LoraConfig, seed: int) -> Any:
             torch.manual_seed(seed)
             adapters = peft.get_peft_model(model, lora)
     except ValueError as exc:
-        raise EngineError(f"engine.lora: {str(exc).splitlines()[0]}") from None
+        raise EngineError(f"engine.lora: {one_line(exc, with_type=False)}") from None
     with torch.no_grad():
         for param in model.parameters():
             if param.requires_grad:

@@ -21,6 +21,7 @@ from typing import Any
 
 from grpod.engine.config import EngineConfig, check_parallel
 from grpod.engine.errors import EngineError
+from grpod.engine.rewardcall import call_reward
 from grpod.engine.tasks import Prompt, Task, build_task, load_reward
 from grpod.engine.tokenizer import CharTokenizer, encode_prompt, require_chat_template
 
@@ -170,16 +171,15 @@ def _reward_once(config: EngineConfig, task: Task) -> None:
         (config.reward or "the task's reward", task.reward_fn)
     ]
     for name, fn in functions:
-        try:
-            value = fn(first.text, first.answer, first.answer)
-        except Exception as exc:
-            raise EngineError(
-                f"reward {name}: raised on prompt 0 ({first.text[:40]!r}): "
-                f"{type(exc).__name__}: {exc}"
-            ) from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise EngineError(
-                f"reward {name}: returned {type(value).__name__}, not a number, on prompt 0"
-            )
+        value = call_reward(
+            fn,
+            name,
+            first.text,
+            first.answer,
+            first.answer,
+            where="",
+            sample=0,
+            timeout_seconds=config.reward_timeout_seconds,
+        )
         if not math.isfinite(value):
             raise EngineError(f"reward {name}: returned {value} on prompt 0")

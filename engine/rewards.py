@@ -25,8 +25,11 @@ class RewardFunction:
 class RewardSet:
     """The step's rewards: `score` -> the weighted total and each function's value."""
 
-    def __init__(self, task: Task, specs: list[str], weights: list[float]) -> None:
+    def __init__(
+        self, task: Task, specs: list[str], weights: list[float], timeout_seconds: float = 0.0
+    ) -> None:
         self.task = task
+        self.timeout_seconds = timeout_seconds  # per call (engine/rewardcall.py)
         weights = weights or [1.0] * len(specs)
         self.functions = [
             RewardFunction(spec, load_reward(spec), w) for spec, w in zip(specs, weights)
@@ -40,10 +43,13 @@ class RewardSet:
         self, prompts: list[Prompt], completions: list[str], group_size: int, first: int = 0
     ) -> tuple[torch.Tensor, dict[str, list[float]]]:
         """`rewards: [samples]` FP32 and {name: [samples]} (empty without `rewards`); sample
-        `i` is named `first + i` in errors (under torchrun: its index in the global batch)."""
+        `i` is named `first + i` in errors (under torchrun: its index in the global batch).
+        A function that fails raises `RewardError` (engine/rewardcall.py)."""
         if not self.functions:
             values = [
-                self.task.score(prompts[i // group_size], text, first + i)
+                self.task.score(
+                    prompts[i // group_size], text, first + i, timeout_seconds=self.timeout_seconds
+                )
                 for i, text in enumerate(completions)
             ]
             return torch.tensor(values, dtype=torch.float32), {}
@@ -51,7 +57,12 @@ class RewardSet:
         for function in self.functions:
             parts[function.name] = [
                 self.task.score(
-                    prompts[i // group_size], text, first + i, function.fn, function.name
+                    prompts[i // group_size],
+                    text,
+                    first + i,
+                    function.fn,
+                    function.name,
+                    self.timeout_seconds,
                 )
                 for i, text in enumerate(completions)
             ]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpod.engine.errors import EngineError
+from grpod.engine.rewardcall import call_reward
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -52,24 +53,28 @@ class Task:
         completion: str,
         index: int,
         reward_fn: RewardFn | None = None,
-        reward_name: str = "reward",
+        reward_name: str = "",
+        timeout_seconds: float = 0.0,
     ) -> float:
-        """The reward of one completion (by the task's reward, or `reward_fn`); a raising or
-        non-numeric reward is an EngineError naming the reward and the sample."""
-        fn = reward_fn or self.reward_fn
-        try:
-            value = fn(prompt.text, completion, prompt.answer)
-        except Exception as exc:
-            raise EngineError(
-                f"task {self.name}: {reward_name} raised on sample {index} "
-                f"(prompt {prompt.text[:40]!r}): {type(exc).__name__}: {exc}"
-            ) from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise EngineError(
-                f"task {self.name}: {reward_name} returned {type(value).__name__}, not a number, "
-                f"on sample {index} (prompt {prompt.text[:40]!r})"
-            )
-        return float(value)
+        """The reward of one completion (by the task's reward, or `reward_fn`); a raising,
+        hanging or non-numeric reward is a RewardError naming the reward and the sample."""
+        return call_reward(
+            reward_fn or self.reward_fn,
+            reward_name or self.reward_name,
+            prompt.text,
+            completion,
+            prompt.answer,
+            where=f"task {self.name}: ",
+            sample=index,
+            timeout_seconds=timeout_seconds,
+        )
+
+    @property
+    def reward_name(self) -> str:
+        """The task's own reward as errors name it (`module:function` for a user's)."""
+        return getattr(self, "reward_spec", "") or getattr(
+            self.reward_fn, "__name__", "the task's reward"
+        )
 
 
 class _FixedPromptTask(Task):
@@ -202,6 +207,7 @@ class JsonlTask(_FixedPromptTask):
         if not self.prompts:
             raise EngineError(f"task {path}: no prompts")
         self.reward_fn = load_reward(reward) if reward else exact_match_reward
+        self.reward_spec = reward
         self.chars = "".join(sorted({ch for p in self.prompts for ch in p.text + p.answer}))
 
 

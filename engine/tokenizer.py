@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from grpod.engine.errors import EngineError
+from grpod.oneline import one_line
 
 PAD, BOS, EOS = 0, 1, 2
 SPECIALS = ("<pad>", "<bos>", "<eos>")
@@ -139,8 +140,9 @@ def encode_prompt(
             system = [{"role": "system", "content": system_prompt}] if system_prompt else []
             return tokenizer.encode_chat([*system, {"role": "user", "content": text}])
         return tokenizer.encode_prompt(text)
-    except ValueError as exc:
-        raise EngineError(f"{source}: prompt {text[:40]!r}: {exc}") from None
+    except Exception as exc:  # a chat template that raises (jinja2's TemplateError, ...)
+        what = "chat_template" if prompt_format == "chat" else "tokenizer"
+        raise EngineError(f"{source}: prompt {text[:40]!r}: {what}: {one_line(exc)}") from None
 
 
 def require_chat_template(

@@ -20,10 +20,11 @@ from grpod.engine.advantages import group_advantages
 from grpod.engine.batch import TransportBatch
 from grpod.engine.config import EngineConfig
 from grpod.engine.cursor import DataCursor
-from grpod.engine.errors import EngineError
+from grpod.engine.errors import EngineError, RewardError
 from grpod.engine.faults import Faults
 from grpod.engine.flat import flatten_parameters
 from grpod.engine.fused import unsupported as decoder_unsupported
+from grpod.engine.inputs import use_reward_path
 from grpod.engine.layout import (
     TrunkLayout,
     micro_layout,
@@ -101,6 +102,7 @@ class Engine:
             torch.set_num_threads(config.threads)
         # drill hooks: identity unless [engine.faults] (and this rank is one of its ranks)
         self.faults = Faults(config.faults, self.parallel.rank)
+        use_reward_path(config)  # the run's working directory, wherever this runs
         self.task = build_task(
             config.task,
             config.reward,
@@ -122,7 +124,9 @@ class Engine:
         )
         self.model.to(self.device)
         require_chat_template(self.tokenizer, config.prompt_format)
-        self.rewards = RewardSet(self.task, config.rewards, config.reward_weights)
+        self.rewards = RewardSet(
+            self.task, config.rewards, config.reward_weights, config.reward_timeout_seconds
+        )
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.model)
         trained = copy.deepcopy(self.model) if self.parallel.sharded else self.model
         # one storage for every parameter: the guards' weights check is then one reduction
@@ -212,9 +216,13 @@ class Engine:
                 step=step,
             )
             lengths = out.mask.sum(-1).tolist()
-            rewards, function_rewards = self.rewards.score(
-                prompts, texts, cfg.group_size, first * cfg.group_size
-            )
+            failure: RewardError | None = None
+            try:
+                rewards, function_rewards = self.rewards.score(
+                    prompts, texts, cfg.group_size, first * cfg.group_size
+                )
+            except RewardError as exc:  # the samples are packed unscored (NaN) for its incident
+                rewards, function_rewards, failure = torch.full((len(texts),), math.nan), {}, exc
             rewards = faults.rewards(step, rewards, cfg.group_size)
             advantages, _ = group_advantages(
                 rewards, cfg.group_size, cfg.scale_rewards, cfg.advantage_std
@@ -258,6 +266,9 @@ class Engine:
                 batch = replace(batch, function_rewards=function_rewards)
             if self.parallel.distributed:
                 batch = replace(batch, rank=self.parallel.rank, world_size=self.parallel.world_size)
+            if failure is not None:
+                failure.batch = batch
+                raise failure
         if cfg.epochs > 1:  # one scoring pass per generation, reused by every epoch
             with self._timed("score"):
                 batch = replace(batch, old_logprobs=self.score(batch))

@@ -1,5 +1,6 @@
 """`fsck` (every referenced blob exists and verifies; the rank rows of every step that has
-them add up) and `gc` (prune within a size budget).
+them add up; every kept checkpoint is complete, and which one resume would choose) and `gc`
+(prune within a size budget).
 
 What retention keeps and how it prunes is forensics/prune.py (the daemon runs it after every
 checkpoint; `gc` runs it on demand).
@@ -14,10 +15,12 @@ from typing import Any
 
 from sqlalchemy import select
 
+from grpod.engine.distcp import problems
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Step, StepRank
 from grpod.forensics.prune import GcReport, leftovers, pins, prune, retention_start
+from grpod.forensics.resume import choose_checkpoint
 from grpod.forensics.store import Store
 
 __all__ = ["FsckReport", "GcReport", "fsck", "gc"]
@@ -26,6 +29,9 @@ __all__ = ["FsckReport", "GcReport", "fsck", "gc"]
 @dataclass
 class FsckReport:
     blobs_checked: int = 0
+    checkpoints_checked: int = 0
+    resume_step: int | None = None  # the checkpoint `grpod run` would resume from
+    resume: str = ""  # that, in words ("" without checkpoints)
     problems: list[str] = field(default_factory=list)  # each one line; empty = healthy
     notes: list[str] = field(default_factory=list)  # harmless leftovers gc will remove
 
@@ -98,6 +104,7 @@ def fsck(run_dir: str | os.PathLike, store_url: str = "") -> FsckReport:
                             f"at {store.checkpoint_path(checkpoint)}"
                         )
             unreferenced = leftovers(blobs, set(rows), grace_seconds=0)
+        _check_checkpoints(store, report)
     finally:
         store.close()
     if unreferenced:
@@ -106,6 +113,31 @@ def fsck(run_dir: str | os.PathLike, store_url: str = "") -> FsckReport:
             "`grpod gc` removes them"
         )
     return report
+
+
+def _check_checkpoints(store: Store, report: FsckReport) -> None:
+    """Every checkpoint retention kept, as resume reads it (forensics/resume.py), and which
+    one `grpod run` would resume from."""
+    noted = store.noted_checkpoints()
+    report.checkpoints_checked = len(noted)
+    choice = choose_checkpoint(noted)
+    passed = {c.step for c, _ in choice.skipped}
+    for checkpoint in noted:  # older than the chosen one: checked too (replay needs them)
+        if checkpoint.step in passed or checkpoint is choice.checkpoint:
+            continue
+        found = problems(checkpoint.path)
+        if found:
+            choice.skipped.append((checkpoint, "; ".join(found)))
+    for checkpoint, why in sorted(choice.skipped, key=lambda item: item[0].step):
+        report.problems.append(f"checkpoint step {checkpoint.step} ({checkpoint.path}): {why}")
+    if choice.checkpoint is not None:
+        report.resume_step = choice.checkpoint.step
+        newest, step = noted[-1].step, choice.checkpoint.step
+        passing = "" if newest == step else f", passing over step {newest}"
+        report.resume = f"resume would restore checkpoint step {step}{passing}"
+    elif noted:
+        report.resume = "no complete checkpoint: resume would refuse (exit 2)"
+        report.problems.append(report.resume)
 
 
 def gc(

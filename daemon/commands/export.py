@@ -38,6 +38,8 @@ def _export(args: argparse.Namespace) -> int:
 
     run = existing_run_dir(args.run_dir)
     config = load_config(run.config_path)
+    if config.engine.model != "tiny-qwen2":  # export reads the model dir, never the task
+        run.check_inputs(under=config.engine.model)
     steps = checkpoint_steps(run)
     if not steps:
         raise ConfigError(f"run dir {run.path}: no checkpoint to export")

@@ -59,7 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     export.add_argument("out_dir", metavar="DIR")
     export.set_defaults(handler=_incidents_export)
 
-    fsck = sub.add_parser("fsck", parents=[common], help="verify every blob the store names")
+    fsck = sub.add_parser(
+        "fsck", parents=[common], help="verify the store, its blobs and checkpoints"
+    )
     fsck.add_argument("--json", action="store_true")
     fsck.set_defaults(handler=_fsck)
 
@@ -88,6 +90,9 @@ def _replay(args: argparse.Namespace) -> int:
 
     if (args.incident is None) == (args.step is None):
         raise ForensicsError("give an INCIDENT_ID or --step N (exactly one)")
+    from grpod.daemon.rundir import RunDir
+
+    RunDir(args.run_dir).check_inputs()  # a moved or changed model or task is named
     progress = _ProgressBar() if sys.stderr.isatty() else None
     result = replay(
         args.run_dir,
@@ -248,8 +253,13 @@ def _fsck(args: argparse.Namespace) -> int:
             print(f"problem: {line}")
         for line in report.notes:
             print(f"note: {line}")
+        if report.resume and report.resume_step is not None:
+            print(report.resume)
         state = "ok" if report.ok else f"{len(report.problems)} problems"
-        print(f"fsck: {report.blobs_checked} blobs checked, {state}")
+        print(
+            f"fsck: {report.blobs_checked} blobs, {report.checkpoints_checked} checkpoints "
+            f"checked, {state}"
+        )
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 

@@ -110,3 +110,21 @@ def test_export_of_the_builtin_model_loads_and_generates(tmp_path: Path) -> None
     with pytest.raises(EngineError, match="exists and is not an empty directory"):
         export_pretrained(cfg, checkpoint, tmp_path / "out")
     assert stop_token_ids(engine.tokenizer, engine.model) == [2]
+
+
+def test_a_chat_template_that_raises_is_one_line(hf_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from grpod.engine.tokenizer import HFTokenizerAdapter, encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    tok.chat_template = (  # as Gemma's: no system role
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}"
+        "{% endfor %}"
+    )
+    with pytest.raises(EngineError) as caught:
+        encode_prompt(HFTokenizerAdapter(tok), "1+1=", "task t.jsonl", "chat", "Be brief.")
+    assert str(caught.value) == (
+        "task t.jsonl: prompt '1+1=': chat_template: TemplateError: System role not supported"
+    )

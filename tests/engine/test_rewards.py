@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 from pydantic import ValidationError
 
 from grpod.engine import Engine, EngineError
+from grpod.engine.errors import RewardError
+from grpod.engine.rewardcall import call_reward, real_value
 from tests.engine.helpers import config
 
 REWARDS = """\
@@ -64,8 +67,38 @@ def test_a_failing_function_is_named(rewards_module: Path) -> None:
         ({"stop": [""]}, "stop strings must not be empty"),
         ({"eval_every": 5}, "eval_every needs an eval_task"),
         ({"eval_task": "nope"}, "eval_task must be one of"),
+        ({"rewards": ["a:b", "a:c"], "reward_weights": [1.0, math.nan]}, "must be finite"),
+        ({"rewards": ["a:b"], "reward_weights": [math.inf]}, r"must be finite \(got inf\)"),
     ],
 )
 def test_config_refuses(engine: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         config(**engine)
+
+
+def test_any_real_scalar_is_a_number_and_nothing_else_is() -> None:
+    import numpy as np
+
+    reals = [1, 0.5, np.float32(0.25), np.float16(2), np.int64(3), np.array(1.5)]
+    reals += [torch.tensor(0.75), torch.tensor(4, dtype=torch.int32)]
+    assert [real_value(v) for v in reals] == [1.0, 0.5, 0.25, 2.0, 3.0, 1.5, 0.75, 4.0]
+    others = [True, np.bool_(True), torch.tensor(True), 1j, np.complex64(1), "1.0", None]
+    others += [[1.0], np.array([1.0]), torch.tensor([1.0]), torch.tensor(1j)]
+    assert [real_value(v) for v in others] == [None] * len(others)
+
+
+def test_a_reward_past_its_time_limit_is_its_failure() -> None:
+    import time
+
+    def hangs(prompt: str, completion: str, answer: str) -> float:
+        try:
+            time.sleep(30)
+        except Exception:  # a reward's own handler does not swallow the time limit
+            return 0.0
+        return 1.0
+
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=r"reward m:hangs took longer than .* 0.2 on sample 3"):
+        call_reward(hangs, "m:hangs", "1+1=", "2", "2", where="", sample=3, timeout_seconds=0.2)
+    assert time.monotonic() - started < 10  # interrupted, not slept out
+    assert call_reward(lambda p, c, a: 1, "m:f", "p", "c", "a", where="", sample=0) == 1.0

@@ -47,9 +47,13 @@ def test_jsonl_task_with_a_user_reward(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.syspath_prepend(str(tmp_path))
     engine = Engine(config(task=str(data), reward="myreward:reward"))
     assert engine.rollout().num_samples == 16
-    with pytest.raises(EngineError, match=r"t.jsonl: reward raised on sample 0 .*boom"):
+    with pytest.raises(
+        EngineError, match=r"t.jsonl: reward myreward:broken raised on sample 0 .*boom"
+    ):
         Engine(config(task=str(data), reward="myreward:broken")).rollout()
-    with pytest.raises(EngineError, match=r"reward returned str, not a number, on sample 0"):
+    with pytest.raises(
+        EngineError, match=r"reward myreward:text returned str, not a number, on sample 0"
+    ):
         Engine(config(task=str(data), reward="myreward:text")).rollout()
     with pytest.raises(EngineError, match="cannot import"):
         build_task(str(data), "nosuchmodule:reward")
