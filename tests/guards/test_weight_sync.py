@@ -42,9 +42,10 @@ def test_a_disagreeing_sampler_skips_the_step_and_halts(diff: float) -> None:
 
 
 def test_the_limit_follows_the_trainers_dtype_and_warn_trains_on() -> None:
-    bf16 = replace(CHECK, max_abs_diff=0.05, dtype="bfloat16")
+    bf16 = replace(CHECK, max_abs_diff=0.02, dtype="bfloat16")
     assert before(bf16)[1] == []  # under the bf16 limit
     assert before(replace(bf16, dtype="float32"))[2] is True
+    assert before(replace(bf16, max_abs_diff=0.072))[2] is True  # the bf16 corrupt-push drill
     _, findings, skip = before(replace(CHECK, max_abs_diff=1.0), action="WARN")
     assert not skip and findings[0].action == Action.WARN
     assert before(replace(CHECK, max_abs_diff=1.0), enabled=False)[1] == []
