@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from tests.daemon.helpers import Grpod, cli, write_config
 from tests.daemon.ownmodel import ENGINE, PROMPTS
 from tests.hfdir import build_hf_dir
 
+# the main environment, without vLLM (`make test-vllm` builds it first): replay needs none
+MAIN_GRPOD = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "grpod"
 DRILLS = {8: "sync-skip", 10: "sync-stale-cache", 12: "sync-corrupt"}
 SYSTEM = "You are a careful assistant. Answer with the digit only. " * 6  # > one KV block
 # a random-init model never gets the digit right: a reward with variance makes it learn
@@ -98,3 +101,13 @@ def test_a_vllm_campaign_stops_resumes_records_the_drills_and_replays(tmp_path: 
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
         assert result["reproduced"] is True and result["step"] == step, result
+    assert MAIN_GRPOD.is_file(), "make test-vllm builds .venv first"
+    done = subprocess.run(
+        [str(MAIN_GRPOD), "replay", "--run-dir", "run", "--step", "11", "--json"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr  # an environment without vLLM replays it
+    assert json.loads(done.stdout)["reproduced"] is True
