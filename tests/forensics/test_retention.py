@@ -113,6 +113,11 @@ def test_incidents_commands(run_copy: Path, tmp_path: Path, capsys: pytest.Captu
     assert capsys.readouterr().err.strip() == (
         f"grpod incidents: error: incident 9: no such incident in {run_copy.resolve()}"
     )
+    with pytest.raises(SystemExit) as refused:
+        main(["incidents", "show", "1", "--samples", "-1", "--run-dir", str(run_copy)])
+    assert refused.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert line.endswith("argument --samples: must be >= 0: -1"), line
 
 
 def test_db_upgrade_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
