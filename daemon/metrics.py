@@ -194,6 +194,10 @@ class Metrics(_Labelled):
         self.retained_bytes = gauge(
             "retained_bytes", "Bytes of checkpoints, batches and store kept after retention"
         )
+        self.retention_over_budget_bytes = gauge(
+            "retention_over_budget_bytes",
+            "Bytes the run dir peaked over retention_bytes at the last checkpoint (0 = within)",
+        )
         self.pruned_bytes_total = Counter(
             "grpod_pruned_bytes_total", "Bytes retention freed", registry=registry
         )
@@ -299,9 +303,10 @@ class Metrics(_Labelled):
                 counter.inc(total - self._seen[key])
                 self._seen[key] = total
 
-    def observe_retention(self, report: Any) -> None:
-        """One retention pass (a forensics GcReport)."""
+    def observe_retention(self, report: Any, over_budget_bytes: int) -> None:
+        """One retention pass (a forensics GcReport) and how far its peak went over budget."""
         self.retained_bytes.set(report.kept_bytes)
+        self.retention_over_budget_bytes.set(over_budget_bytes)
         self.pruned_bytes_total.inc(report.freed_bytes)
         self._child(self.pruned_total, "checkpoint").inc(len(report.checkpoints_deleted))
         self._child(self.pruned_total, "batch").inc(report.blobs_deleted)

@@ -1,6 +1,11 @@
 """The daemon's own retention: after every checkpoint, prune to `[forensics] keep_checkpoints`
 and `retention_bytes` (forensics/prune.py), say what went in a metric and a log line, and
-store a checkpoint file that did not change since the previous checkpoint as a hard link."""
+store a checkpoint file that did not change since the previous checkpoint as a hard link.
+
+Over budget is judged at the run dir's peak, right after a checkpoint is written and before
+its prune: what is left then is what retention may not delete (the newest checkpoint, the
+batches since it, incident pins), so that is said once per crossing in a warning naming the
+bytes over and what is pinned, and at every checkpoint in `grpod_retention_over_budget_bytes`."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from grpod.forensics.config import ForensicsConfig
-from grpod.forensics.prune import link_unchanged, prune
+from grpod.forensics.prune import GcReport, link_unchanged, prune
 from grpod.forensics.recorder import FlightRecorder
 
 
@@ -36,7 +41,9 @@ class Retention:
             keep_checkpoints=self.config.keep_checkpoints,
             headroom=True,
         )
-        metrics.observe_retention(report)
+        over_bytes = max(0, report.before_bytes - report.budget_bytes)
+        if metrics is not None:
+            metrics.observe_retention(report, over_bytes)
         if report.checkpoints_deleted or report.blobs_deleted:
             log.info(
                 "pruned",
@@ -46,12 +53,28 @@ class Retention:
                 kept_bytes=report.kept_bytes,
                 budget_bytes=report.budget_bytes,
             )
-        over = report.kept_bytes > report.budget_bytes
+        over = over_bytes > 0
         if over and not self.over_budget:
             log.warning(
                 "over retention budget",
+                over_budget_bytes=over_bytes,
+                peak_bytes=report.before_bytes,
                 kept_bytes=report.kept_bytes,
                 budget_bytes=report.budget_bytes,
-                reason="what is left is the newest checkpoint and incident pins",
+                newest_checkpoint=report.newest_checkpoint,
+                pinned_checkpoints=report.pinned_checkpoints,
+                incidents=report.incidents,
+                reason=_reason(report),
             )
         self.over_budget = over
+
+
+def _reason(report: GcReport) -> str:
+    """What retention could not delete, in words."""
+    kept = [f"the newest checkpoint (step {report.newest_checkpoint}) and the batches since it"]
+    if report.incidents:
+        steps = ", ".join(map(str, report.pinned_checkpoints)) or "none"
+        kept.append(
+            f"{report.incidents} incidents' pins (checkpoints at steps {steps} and their batches)"
+        )
+    return "retention may not delete " + " or ".join(kept)

@@ -1,8 +1,9 @@
 """Held-out evaluation: the policy's mean reward on `eval_task`, greedy or sampled.
 
-`Evaluator(engine).run()` samples one completion for each of the first `eval_samples`
-prompts of the eval task (the same prompts, with the same sampler seed, every time, so two
-evaluations differ only by the policy) and scores them with the run's rewards. It runs under
+`Evaluator(engine).run()` samples one completion for each of `eval_samples` distinct prompts
+of the eval task, the first of its `seed`-shuffled order (preflight refuses more than the set
+holds; the same prompts, with the same sampler seed, every time, so two evaluations differ
+only by the policy) and scores them with the run's rewards. It runs under
 `no_grad`, with its own generator, and reads neither the data cursor nor the optimizer: the
 training run (its batches, weights and replay) is the same with evaluation on or off.
 """

@@ -35,6 +35,7 @@ def apply_lora(model: torch.nn.Module, settings: LoraConfig, seed: int) -> Any:
         target_modules=list(settings.target_modules),
         bias="none",
     )
+    _refuse_tied_targets(model, lora)
     try:
         with torch.random.fork_rng(devices=[]):  # adapter init from the run's seed alone
             torch.manual_seed(seed)
@@ -47,6 +48,23 @@ def apply_lora(model: torch.nn.Module, settings: LoraConfig, seed: int) -> Any:
                 param.data = param.data.float()
     model.grpod_adapters = True  # the fused decoder and trunk do not apply adapters
     return adapters
+
+
+def _refuse_tied_targets(model: torch.nn.Module, lora: Any) -> None:
+    """A target whose weight is the input embeddings' (a tied `lm_head`), refused by name: the
+    FP32 chunked head reads that weight itself, so its adapter would get no gradient."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    embeddings = model.get_input_embeddings()
+    for name, module in model.named_modules():
+        if module is embeddings or getattr(module, "weight", None) is not embeddings.weight:
+            continue
+        if check_target_module_exists(lora, name):
+            raise EngineError(
+                f"engine.lora: target_modules: {name} shares its weight with the input "
+                "embeddings (tie_word_embeddings); an adapter there is not supported (the FP32 "
+                f"chunked head reads that weight directly): remove {name} from target_modules"
+            )
 
 
 def has_adapters(model: torch.nn.Module) -> bool:

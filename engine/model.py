@@ -61,6 +61,21 @@ def load_policy(name: str, chars: str, max_positions: int):
     return model.float(), load_tokenizer(name, chars)
 
 
+def policy_skeleton(name: str, vocab_size: int) -> torch.nn.Module:
+    """The policy's modules on the meta device: names, types and weight ties, no weights
+    (preflight's LoRA check: a large model would make `config check` slow)."""
+    with torch.device("meta"):
+        if name == "tiny-qwen2":
+            return build_tiny_qwen2(vocab_size)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        try:
+            config = AutoConfig.from_pretrained(name, local_files_only=True)
+            return AutoModelForCausalLM.from_config(config)
+        except Exception as exc:  # transformers raises many types for one bad file
+            raise EngineError(f"model {name}: cannot load: {first_line(exc)}") from None
+
+
 def load_tokenizer(name: str, chars: str) -> CharTokenizer | HFTokenizerAdapter:
     """The tokenizer of `name` alone (no weights): for preflight and decoding a recorded batch."""
     if name == "tiny-qwen2":

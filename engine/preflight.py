@@ -3,8 +3,9 @@
 `preflight(config)` runs in `grpod config check` and at the start of `grpod run`, before
 anything is created: the model directory's files (tokenizer files present, safetensors
 complete), its config (vocabulary, positions), the tokenizer's pad/eos/bos ids inside the
-model's vocabulary, every prompt of a fixed task encoded and within `seq_len`, vLLM
-importable when selected, and the reward imported and called on one sample. The first
+model's vocabulary, every prompt of a fixed task encoded and within `seq_len`, `eval_samples`
+within the held-out set, the LoRA targets applied to a weightless copy of the model (meta
+tensors), vLLM importable when selected, and the reward imported and called on one sample. The first
 problem is an EngineError naming the thing and the reason. The weights themselves are not
 loaded (a large model would make `config check` slow); `Engine` loads them.
 """
@@ -16,6 +17,7 @@ import importlib.util
 import json
 import math
 import struct
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +53,18 @@ def preflight(config: EngineConfig) -> None:
             f"max_position_embeddings {positions}"
         )
     _special_ids(config.model, tokenizer, vocab_size)
+    if config.lora.rank:  # the targets, as `Engine` applies them, on a weightless model
+        from grpod.engine.lora import apply_lora
+        from grpod.engine.model import policy_skeleton
+
+        with warnings.catch_warnings():  # transformers' deprecations, about a skeleton
+            warnings.simplefilter("ignore")
+            apply_lora(policy_skeleton(config.model, vocab_size), config.lora, config.seed)
     require_chat_template(tokenizer, config.prompt_format)
     _prompts(config, f"task {task.name}", getattr(task, "prompts", None), tokenizer, vocab_size)
     if config.eval_task:  # the prompts the Evaluator will feed, as it picks them
         held_out = build_task(config.eval_task, config.reward, config.long_prompt_batch_fraction)
+        _eval_samples(config, getattr(held_out, "prompts", None))
         picked = held_out.prompts_for_step(0, config.eval_samples, config.seed)
         _prompts(config, f"eval_task {config.eval_task}", picked, tokenizer, vocab_size)
     _reward_once(config, task)
@@ -151,15 +161,25 @@ def _prompts(
         )
         if len(ids) > room:
             raise EngineError(
-                f"{source}: prompt {index} ({prompt.text[:40]!r}) is {len(ids)} tokens; "
+                f"{source}: {prompt.where(index)} ({prompt.text[:40]!r}) is {len(ids)} tokens; "
                 f"seq_len {config.seq_len} leaves {room} after max_new_tokens "
                 f"{config.max_new_tokens}"
             )
         if ids and max(ids) >= vocab_size:
             raise EngineError(
-                f"{source}: prompt {index} encodes to token id {max(ids)}, outside the "
+                f"{source}: {prompt.where(index)} encodes to token id {max(ids)}, outside the "
                 f"model's vocabulary of {vocab_size}"
             )
+
+
+def _eval_samples(config: EngineConfig, prompts: list[Prompt] | None) -> None:
+    """An evaluation draws `eval_samples` distinct prompts of a fixed held-out set."""
+    if prompts is not None and config.eval_samples > len(prompts):
+        raise EngineError(
+            f"eval_samples {config.eval_samples}: eval_task {config.eval_task} has "
+            f"{len(prompts)} prompts (an evaluation would score some twice); set eval_samples "
+            f"to at most {len(prompts)}"
+        )
 
 
 def _reward_once(config: EngineConfig, task: Task) -> None:
@@ -182,4 +202,4 @@ def _reward_once(config: EngineConfig, task: Task) -> None:
             timeout_seconds=config.reward_timeout_seconds,
         )
         if not math.isfinite(value):
-            raise EngineError(f"reward {name}: returned {value} on prompt 0")
+            raise EngineError(f"reward {name}: returned {value} on {first.where(0)}")

@@ -25,6 +25,11 @@ RewardFn = Callable[[str, str, str], float]
 class Prompt:
     text: str
     answer: str
+    line: int = 0  # a JSONL task's: the 1-based line of its file (0: a built-in task)
+
+    def where(self, index: int) -> str:
+        """How a message names this prompt: its file's line, else its index in the task."""
+        return f"line {self.line}" if self.line else f"prompt {index}"
 
 
 def first_token_reward(prompt: str, completion: str, answer: str) -> float:
@@ -199,7 +204,7 @@ class JsonlTask(_FixedPromptTask):
                 continue
             try:
                 obj = json.loads(line)
-                self.prompts.append(Prompt(str(obj["prompt"]), str(obj["answer"])))
+                self.prompts.append(Prompt(str(obj["prompt"]), str(obj["answer"]), lineno))
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise EngineError(
                     f'task {path}: line {lineno} is not a {{"prompt", "answer"}} object ({exc})'

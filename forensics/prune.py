@@ -39,6 +39,10 @@ class GcReport:
     checkpoints_deleted: list[int] = field(default_factory=list)  # their steps
     leftovers_deleted: int = 0  # temp files of interrupted writes, files without a row
     dry_run: bool = False
+    before_bytes: int = 0  # before this pass (the daemon's peak: right after a checkpoint)
+    newest_checkpoint: int | None = None  # its step: retention never deletes it
+    pinned_checkpoints: list[int] = field(default_factory=list)  # kept for incidents, steps
+    incidents: int = 0  # incidents pinning checkpoints and batches
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "within_budget": self.kept_bytes <= self.budget_bytes}
@@ -64,7 +68,9 @@ def prune(
         runs = store.run_ids(session)
         retained = [c for c in store.checkpoints(session) if store.checkpoint_path(c).is_dir()]
         pinned_steps: set[int] = set()
-        for incident, steps in pins(store, session):
+        incident_pins = pins(store, session)
+        report.incidents = len(incident_pins)
+        for incident, steps in incident_pins:
             pinned_steps |= {s.id for s in steps} | {incident.step_id}
             if incident.worst_step_id is not None:
                 pinned_steps.add(incident.worst_step_id)
@@ -122,8 +128,11 @@ def prune(
         report.blobs_deleted = len(doomed)
         held = {k: v for c in retained + dropped for k, v in files[c.id].items()}
         before = fixed + sum(sizes.values()) + sum(held.values())
+        report.before_bytes = before
         report.freed_bytes = max(0, before - report.kept_bytes)
         report.checkpoints_deleted = sorted(c.step for c in dropped)
+        report.newest_checkpoint = retained[-1].step if retained else None
+        report.pinned_checkpoints = [c.step for c in retained if c.pinned]
         if not dry_run:
             for checkpoint in dropped:
                 checkpoint.deleted = True

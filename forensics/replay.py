@@ -165,19 +165,26 @@ def _plan(
             checkpoint = store.checkpoint_at_or_before(session, target.step, on_disk=True)
             if checkpoint is None:
                 raise ForensicsError(f"step {target.step}: no checkpoint at or before it")
+        asked = f"step {target.step}"
+        if incident_id is not None:
+            asked = f"incident {incident_id} (step {target.step})"
         if checkpoint.deleted or not store.checkpoint_path(checkpoint).is_dir():
             raise ForensicsError(
-                f"checkpoint step {checkpoint.step}: missing directory "
-                f"{store.checkpoint_path(checkpoint)}"
+                f"{asked}: cannot be rebuilt: checkpoint step {checkpoint.step}: missing "
+                f"directory {store.checkpoint_path(checkpoint)}"
             )
         ordered = store.decided_steps(session, checkpoint.step, target)
         missing = sorted(set(range(checkpoint.step, target.step)) - {r.step for r in ordered})
         if missing:
             raise ForensicsError(
-                f"step {missing[0]}: not recorded, cannot replay from checkpoint step "
-                f"{checkpoint.step} to step {target.step}"
+                f"{asked}: cannot be rebuilt: step {missing[0]} is not recorded, and replay "
+                f"re-runs every step from checkpoint step {checkpoint.step} to step {target.step}"
             )
-        plan = [_load(session, blobs, row) for row in ordered]
+        found = [(row, _blob(session, row)) for row in ordered]
+        gone = [row for row, blob in found if blob is None]
+        if gone:
+            raise ForensicsError(_pruned(store, session, asked, target, checkpoint, gone[0]))
+        plan = [_load(blobs, row, blob) for row, blob in found]
         plan[-1] = replace(plan[-1], ranks=store.step_ranks(session, target))
         run = store.run(session, target.run_id)
         config, versions = json.loads(run.config_json), json.loads(run.versions_json)
@@ -185,10 +192,37 @@ def _plan(
     return config, versions, checkpoint, plan
 
 
-def _load(session: Any, blobs: BlobStore, row: Step) -> _Planned:
-    blob = None if row.batch_digest is None else session.get(Blob, row.batch_digest)
-    if blob is None:
-        raise ForensicsError(f"step {row.step}: its batch blob was pruned or never recorded")
+def _blob(session: Any, row: Step) -> Blob | None:
+    return None if row.batch_digest is None else session.get(Blob, row.batch_digest)
+
+
+def _pruned(
+    store: Store, session: Any, asked: str, target: Step, checkpoint: Checkpoint, row: Step
+) -> str:
+    """Why `asked` cannot be rebuilt: the batch of step `row` is gone (and, when the target's
+    nearer checkpoints were pruned, which: replay starts from an older one)."""
+    if row.step == target.step:
+        return f"{asked}: cannot be rebuilt: its batch blob was pruned or never recorded"
+    deleted = [
+        c.step
+        for c in store.checkpoints(session, include_deleted=True)
+        if checkpoint.step < c.step <= target.step
+        and (c.deleted or not store.checkpoint_path(c).is_dir())
+    ]
+    nearer = (
+        f"checkpoint step {', '.join(map(str, deleted))} was pruned or removed, so replay "
+        "starts from "
+        if deleted
+        else "replay starts from "
+    )
+    return (
+        f"{asked}: cannot be rebuilt: {nearer}checkpoint step {checkpoint.step} and re-runs "
+        f"steps {checkpoint.step}-{target.step - 1}, but the batch blob of step {row.step} was "
+        "pruned or never recorded"
+    )
+
+
+def _load(blobs: BlobStore, row: Step, blob: Blob) -> _Planned:
     tensors, metadata = blobs.read(row.batch_digest, blob.data)
     try:
         batch = TransportBatch.from_tensors(tensors, metadata, source=f"blob {row.batch_digest}")

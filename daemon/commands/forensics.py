@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+from grpod.daemon.commands.args import non_negative
 from grpod.daemon.exitcodes import EXIT_FAILURE, EXIT_OK
 
 DEFAULT_RUN_DIR = "var/grpod/latest"
@@ -49,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     show.add_argument("--json", action="store_true")
     show.add_argument(
         "--samples",
-        type=int,
+        type=non_negative(int),
         metavar="N",
         help="decoded completions to print (default: the run's [daemon] log_samples)",
     )

@@ -324,6 +324,12 @@ def render(series: RunSeries, out_dir: str | Path, title: str = "") -> list[Path
 
 
 def _plot(args: argparse.Namespace) -> int:
+    from grpod.daemon.errors import ConfigError
+
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConfigError(
+            f"--out {args.out}: exists and is not a directory (plot writes its PNG files into one)"
+        )
     series = load_series(args.run_dir, args.store_url)
     title = (
         f"grpod {Path(args.run_dir).resolve().name}: steps {series.steps[0]}..{series.steps[-1]}"

@@ -10,17 +10,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+from grpod.daemon.commands.args import non_negative
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run (or resume) a GRPO campaign as a service")
     p.add_argument("--config", metavar="FILE", help="grpod.toml (default: the embedded default)")
     p.add_argument("--run-dir", metavar="DIR", help="run directory; an existing run resumes")
     p.add_argument(
-        "--max-steps", type=_non_negative(int), metavar="N", help="stop at step N (0 = never)"
+        "--max-steps", type=non_negative(int), metavar="N", help="stop at step N (0 = never)"
     )
     p.add_argument(
         "--linger",
-        type=_non_negative(float),
+        type=non_negative(float),
         metavar="SECONDS",
         help="keep /metrics up this long after the loop stops (/healthz answers 503)",
     )
@@ -74,17 +76,3 @@ def _print_summary(run_dir, store_url: str) -> None:
     step = summary["incident_steps"][-1] if summary["incident_steps"] else summary["last_step"]
     print(f"store: {summary['store']} (run dir {run_dir})", file=sys.stderr)
     print(f"replay a step: grpod replay --run-dir {run_dir} --step {step}", file=sys.stderr)
-
-
-def _non_negative(kind: type) -> object:
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse

@@ -20,6 +20,10 @@ from tests.hfdir import build_hf_dir
 pytestmark = pytest.mark.slow
 
 
+class Toml(str):
+    """A value written into grpod.toml as is (an inline table), not as JSON."""
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A good model dir, and bad variants of it."""
@@ -43,7 +47,9 @@ def test_config_check_names_each_bad_model_task_and_reward(
     tmp_path: Path, models: dict[str, Path]
 ) -> None:
     good = user_campaign(tmp_path, models["good"])
-    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "7+8=" * 20, "answer": "5"}) + "\n")
+    short, long = ({"prompt": "7+8=" * n, "answer": "5"} for n in (1, 20))
+    (tmp_path / "long.jsonl").write_text(f"\n{json.dumps(short)}\n{json.dumps(long)}\n")
+    (tmp_path / "few.jsonl").write_text((json.dumps(short) + "\n") * 3)
     (tmp_path / "latin1.jsonl").write_bytes(
         b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xe9"}\n'
     )
@@ -53,7 +59,25 @@ def test_config_check_names_each_bad_model_task_and_reward(
         "padout": ({"model": str(models["padout"])}, "pad token id 320 is outside the model's"),
         "notok": ({"model": str(models["notok"])}, "no tokenizer files"),
         "truncated": ({"model": str(models["truncated"])}, "model.safetensors: truncated"),
-        "long": ({"task": "long.jsonl"}, "prompt 0 ('7+8=7+8="),
+        "long": ({"task": "long.jsonl"}, "task long.jsonl: line 3 ('7+8=7+8="),  # blank line 1
+        "evalfew": ({"eval_task": "few.jsonl", "eval_samples": 3}, None),
+        "evalmany": (
+            {"eval_task": "few.jsonl", "eval_samples": 4},
+            "eval_samples 4: eval_task few.jsonl has 3 prompts",
+        ),
+        "lora": ({"lora": Toml('{rank = 4, target_modules = ["q_proj"]}')}, None),
+        "nolayer": (
+            {"lora": Toml('{rank = 4, target_modules = ["nope"]}')},
+            "engine.lora: Target modules {'nope'} not found in the base model",
+        ),
+        "mlp": (  # PEFT's error quoted whole: its module repr spans lines
+            {"lora": Toml('{rank = 4, target_modules = ["mlp"]}')},
+            "engine.lora: Target module Qwen2MLP( (gate_proj): Linear(",
+        ),
+        "tied": (
+            {"lora": Toml('{rank = 4, target_modules = ["lm_head"]}')},
+            "engine.lora: target_modules: lm_head shares its weight with the input embeddings",
+        ),
         "latin1": ({"task": "latin1.jsonl"}, "latin1.jsonl: line 2 is not UTF-8 (byte 0xe9"),
         "raises": ({"reward": "myrewards:boom"}, "RuntimeError: no reward today"),
         "text": ({"reward": "myrewards:text"}, "returned str, not a number"),
@@ -69,7 +93,7 @@ def test_config_check_names_each_bad_model_task_and_reward(
     for name, (engine, _) in cases.items():
         text = base
         for key, value in engine.items():  # replace the key's line, or add it
-            line = f"{key} = {json.dumps(value)}"
+            line = f"{key} = {value if isinstance(value, Toml) else json.dumps(value)}"
             lines = [x for x in text.splitlines() if not x.startswith(f"{key} =")]
             lines.insert(lines.index("[engine]") + 1, line)
             text = "\n".join(lines) + "\n"
@@ -84,6 +108,8 @@ def test_config_check_names_each_bad_model_task_and_reward(
     for line, (name, needle) in zip(errors, expected):
         assert line.startswith(f"grpod config: error: {name}.toml: "), line
         assert needle in line, (name, line)
+    mlp = errors[[n for n, _ in expected].index("mlp")]
+    assert "is not supported. Currently, only the following modules are supported" in mlp
     assert "Traceback" not in done.stderr and good.is_file()
 
 

@@ -56,6 +56,7 @@ CONTRACT: dict[str, str] = {
     "grpod_recorder_uncommitted_steps": "gauge",
     "grpod_recorder_blocked_total": "counter",
     "grpod_retained_bytes": "gauge",
+    "grpod_retention_over_budget_bytes": "gauge",
     "grpod_pruned_bytes_total": "counter",
     "grpod_pruned_total": "counter",
     "grpod_global_valid_tokens": "gauge",

@@ -28,6 +28,7 @@ REQUIRED_ALERTS = {
     "GrpodSamplerMismatch",
     "GrpodIncidentOpen",
     "GrpodEntropyCollapse",
+    "GrpodRetentionOverBudget",
 }
 
 

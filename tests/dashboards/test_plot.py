@@ -69,6 +69,19 @@ def test_plot_bad_run_dir_is_one_line_exit_2(
     assert not (tmp_path / "o").exists()
 
 
+def test_plot_onto_an_existing_file_is_one_line_exit_2(
+    daemon_run: DaemonRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plots.png"
+    out.write_bytes(b"mine")
+    assert main(["plot", "--run-dir", str(daemon_run.run_dir), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"grpod plot: error: --out {out}: exists and is not a directory "
+        "(plot writes its PNG files into one)\n"
+    )
+    assert out.read_bytes() == b"mine"
+
+
 def test_the_plot_reads_the_correlation_the_guard_held() -> None:
     """The plot's r is the guard's own after the run's steps: its window, its minimum, its
     rule of which steps count (no grad norm, a zero one or no valid tokens do not)."""

@@ -13,6 +13,7 @@ pytest.importorskip("peft")  # the `lora` extra (in `dev`)
 
 from grpod.engine import Engine, EngineError
 from grpod.engine.export import export_pretrained
+from grpod.engine.preflight import preflight
 from tests.engine.helpers import config
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
@@ -85,6 +86,26 @@ def test_export_merges_or_writes_the_adapter(tmp_path: Path) -> None:
 def test_bad_target_modules_are_one_line() -> None:
     with pytest.raises(EngineError, match=r"engine.lora: .*nope"):
         Engine(config(lora={**LORA, "target_modules": ["nope"]}))
+
+
+@pytest.mark.parametrize(
+    ("targets", "needle"),
+    [
+        (["nope"], "Target modules {'nope'} not found in the base model"),
+        (["mlp"], "Target module Qwen2MLP( (gate_proj): Linear("),
+        (["lm_head"], "lm_head shares its weight with the input embeddings"),
+    ],
+)
+def test_preflight_refuses_the_targets_the_engine_refuses(targets: list[str], needle: str) -> None:
+    """`config check` and `run` both preflight: the same one-line error, before any weights."""
+    bad = config(lora={**LORA, "target_modules": targets})
+    with pytest.raises(EngineError) as checked:
+        preflight(bad)
+    with pytest.raises(EngineError) as built:
+        Engine(bad)
+    assert str(checked.value) == str(built.value)
+    assert needle in str(checked.value) and "\n" not in str(checked.value)
+    preflight(config(lora=LORA))  # the good targets pass
 
 
 def test_a_flushed_step_leaves_the_adapters_and_adam_bit_identical() -> None:

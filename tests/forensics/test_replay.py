@@ -101,7 +101,8 @@ def test_bad_input_is_one_clear_error(run_copy: Path) -> None:
     with pytest.raises(ForensicsError, match="exactly one"):
         replay(run_copy)
     shutil.rmtree(run_copy / "checkpoints" / "step-00000005")
-    with pytest.raises(ForensicsError, match="checkpoint step 5: missing directory"):
+    refused = r"incident 1 \(step 7\): cannot be rebuilt: checkpoint step 5: missing directory"
+    with pytest.raises(ForensicsError, match=refused):
         replay(run_copy, incident_id=1)
     shutil.rmtree(run_copy / "checkpoints" / "step-00000000")
     with pytest.raises(ForensicsError, match="step 3: no checkpoint at or before it"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,9 @@ def blob_count(run_dir: Path) -> int:
     return len(rows)
 
 
-def test_gc_keeps_incident_pins_and_the_newest_checkpoint(run_copy: Path) -> None:
+def test_gc_keeps_incident_pins_and_the_newest_checkpoint(
+    run_copy: Path, capsys: pytest.CaptureFixture
+) -> None:
     assert blob_count(run_copy) == 13
     roomy = gc(run_copy, budget_bytes=1 << 40)
     assert (roomy.blobs_deleted, roomy.checkpoints_deleted) == (0, [])
@@ -41,8 +44,19 @@ def test_gc_keeps_incident_pins_and_the_newest_checkpoint(run_copy: Path) -> Non
     assert fsck(run_copy).ok
     assert replay(run_copy, incident_id=1).reproduced
     assert replay(run_copy, step=12).reproduced
-    with pytest.raises(ForensicsError, match="step 8: its batch blob was pruned"):
-        replay(run_copy, step=9)
+    assert main(["replay", "--run-dir", str(run_copy), "--step", "9"]) == 2
+    assert capsys.readouterr().err == (
+        "grpod replay: error: step 9: cannot be rebuilt: replay starts from checkpoint step 5 "
+        "and re-runs steps 5-8, but the batch blob of step 8 was pruned or never recorded\n"
+    )
+    shutil.rmtree(run_copy / "checkpoints/step-00000010")
+    with pytest.raises(ForensicsError) as refused:
+        replay(run_copy, step=12)
+    assert str(refused.value) == (
+        "step 12: cannot be rebuilt: checkpoint step 10 was pruned or removed, so replay starts "
+        "from checkpoint step 5 and re-runs steps 5-11, but the batch blob of step 8 was pruned "
+        "or never recorded"
+    )
 
 
 def test_gc_keeps_the_newest_checkpoints_and_the_pinned_ones(run_copy: Path) -> None:
@@ -99,6 +113,11 @@ def test_incidents_commands(run_copy: Path, tmp_path: Path, capsys: pytest.Captu
     assert capsys.readouterr().err.strip() == (
         f"grpod incidents: error: incident 9: no such incident in {run_copy.resolve()}"
     )
+    with pytest.raises(SystemExit) as refused:
+        main(["incidents", "show", "1", "--samples", "-1", "--run-dir", str(run_copy)])
+    assert refused.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert line.endswith("argument --samples: must be >= 0: -1"), line
 
 
 def test_db_upgrade_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
