@@ -124,8 +124,8 @@ def test_a_hanging_eval_reward_stops_when_configured(tmp_path: Path) -> None:
     run = Grpod(["--config", str(config), "--run-dir", "run"], tmp_path, {"EVAL_HANGS": "1"})
     assert run.wait() == 2, run.stderr
     assert run.stderr.splitlines() == [
-        "grpod run: error: eval at step 2: task heldout.jsonl: reward failing:nth took longer "
-        "than reward_timeout_seconds 0.5 on sample 0 (prompt '0+1=')"
+        f"grpod run: error: eval at step 2: task {tmp_path / 'heldout.jsonl'}: reward "
+        "failing:nth took longer than reward_timeout_seconds 0.5 on sample 0 (prompt '0+1=')"
     ]
     assert [e["step"] for e in run.steps()] == [0, 1]
     assert (tmp_path / "run" / "checkpoints" / "step-00000002").is_dir()
