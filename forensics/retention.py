@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.orm.exc import ObjectDeletedError
 
 from grpod.engine.distcp import problems
 from grpod.forensics.blobs import BlobStore
@@ -60,8 +61,11 @@ def fsck(run_dir: str | os.PathLike, store_url: str = "") -> FsckReport:
             counts: dict[str, tuple[int, int]] = {}  # digest -> (micros, samples), verified
             for digest, row in rows.items():
                 report.blobs_checked += 1
-                if not row.path:  # inline: the row holds the bytes
-                    data = row.data
+                if not row.path:  # inline: the row holds the bytes (a deferred column)
+                    try:
+                        data = row.data
+                    except ObjectDeletedError:  # a live run's retention pruned it meanwhile
+                        continue
                     if data is None:
                         report.problems.append(f"blob {digest}: neither a file nor inline bytes")
                     elif len(data) != row.size:
@@ -76,7 +80,8 @@ def fsck(run_dir: str | os.PathLike, store_url: str = "") -> FsckReport:
                     continue
                 path = store.run_dir / row.path
                 if not path.is_file():
-                    report.problems.append(f"blob {digest}: missing file {path}")
+                    if _still_stored(store, digest):  # else pruned by a live run meanwhile
+                        report.problems.append(f"blob {digest}: missing file {path}")
                     continue
                 if path.stat().st_size != row.size:
                     report.problems.append(
@@ -115,6 +120,12 @@ def fsck(run_dir: str | os.PathLike, store_url: str = "") -> FsckReport:
     return report
 
 
+def _still_stored(store: Store, digest: str) -> bool:
+    """Whether blob `digest` still has its row (read anew, past the checking session)."""
+    with store.session() as session:
+        return session.get(Blob, digest) is not None
+
+
 def _check_checkpoints(store: Store, report: FsckReport) -> None:
     """Every checkpoint retention kept, as resume reads it (forensics/resume.py), and which
     one `grpod run` would resume from."""
@@ -128,8 +139,11 @@ def _check_checkpoints(store: Store, report: FsckReport) -> None:
         found = problems(checkpoint.path)
         if found:
             choice.skipped.append((checkpoint, "; ".join(found)))
+    # a live run's retention may have pruned one while it was checked: only those still kept
+    kept = {c.step for c in store.noted_checkpoints()}
     for checkpoint, why in sorted(choice.skipped, key=lambda item: item[0].step):
-        report.problems.append(f"checkpoint step {checkpoint.step} ({checkpoint.path}): {why}")
+        if checkpoint.step in kept:
+            report.problems.append(f"checkpoint step {checkpoint.step} ({checkpoint.path}): {why}")
     if choice.checkpoint is not None:
         report.resume_step = choice.checkpoint.step
         newest, step = noted[-1].step, choice.checkpoint.step
