@@ -31,6 +31,7 @@ from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
 from grpod.engine.rollout import Rollout
 from grpod.engine.weight_sync import CONTINUATION_TOKENS, ProbeScores, PushFaults
+from grpod.oneline import one_line
 
 CPU_KV_CACHE_BYTES = 512 << 20  # vLLM's CPU KV cache when vllm_kv_cache_bytes is unset
 
@@ -97,7 +98,7 @@ class VLLMSampler:
                 **memory,
             )
         except Exception as exc:  # vLLM raises many types for a model it cannot serve
-            raise EngineError(f"rollout_backend vllm: cannot start vLLM: {_one_line(exc)}") from exc
+            raise EngineError(f"rollout_backend vllm: cannot start vLLM: {one_line(exc)}") from exc
         finally:  # its CPU worker replaces torch.set_num_threads with a no-op
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
@@ -223,8 +224,3 @@ def _last_untied_matrix(weights: list[tuple[str, torch.Tensor]]) -> int:
         for i in reversed(range(len(weights)))
         if weights[i][1].dim() == 2 and pointers.count(pointers[i]) == 1
     )
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
