@@ -18,9 +18,9 @@ from grpod.engine import distcp
 from grpod.engine.accounting import ValidTokenCounter
 from grpod.engine.advantages import group_advantages
 from grpod.engine.batch import TransportBatch
-from grpod.engine.config import EngineConfig
+from grpod.engine.config import VLLM_BACKENDS, EngineConfig
 from grpod.engine.cursor import DataCursor
-from grpod.engine.errors import EngineError, RewardError
+from grpod.engine.errors import EngineError, RewardError, SamplerError
 from grpod.engine.faults import Faults
 from grpod.engine.flat import flatten_parameters
 from grpod.engine.fused import unsupported as decoder_unsupported
@@ -47,6 +47,7 @@ from grpod.engine.tokenizer import encode_prompt, require_chat_template
 from grpod.engine.weight_sync import ProbeScores, WeightSyncCheck, compare, probe_sequence
 
 if TYPE_CHECKING:  # imported on first use: vllm is an extra
+    from grpod.engine.rollout_server import ServerSampler
     from grpod.engine.rollout_vllm import VLLMSampler
 
 # the engine's phases, in step order: the weight push into a separate sampler (or the
@@ -171,7 +172,8 @@ class Engine:
         )
         self.config_digest = config.digest()
         self.cursor = DataCursor()
-        self.vllm: VLLMSampler | None = None  # built on first use: rollout_backend = "vllm"
+        # vllm / vllm-server: built on first use (or by `start_sampler`)
+        self.vllm: VLLMSampler | ServerSampler | None = None
         self.weight_sync: WeightSyncCheck | None = None  # the last push's check (vllm)
         self._probe: list[int] = []  # the weight-sync probe (engine/weight_sync.py)
         self._pending: StepReport | None = None
@@ -210,11 +212,15 @@ class Engine:
             prompts = self.task.prompts_for_step(generation, cfg.prompts_per_step, cfg.seed)
             prompts, first = self.parallel.local_groups(prompts)  # whole groups per rank
             prompt_ids = [self.encode_prompt(p.text) for p in prompts]
-            out, completions, texts = self.generate(
-                [ids for ids in prompt_ids for _ in range(cfg.group_size)],
-                step_seed(cfg.seed, generation, self.parallel.rank),
-                step=step,
-            )
+            try:
+                out, completions, texts = self.generate(
+                    [ids for ids in prompt_ids for _ in range(cfg.group_size)],
+                    step_seed(cfg.seed, generation, self.parallel.rank),
+                    step=step,
+                )
+            except SamplerError as exc:  # the prompts in flight, unsampled, for its incident
+                exc.batch = self._unsampled(prompt_ids, first, generation)
+                raise
             lengths = out.mask.sum(-1).tolist()
             failure: RewardError | None = None
             try:
@@ -528,7 +534,7 @@ class Engine:
         if self.parallel.sharded:  # the rollout copy takes the shards' current weights
             with self._timed("sync"):
                 self.parallel.sync_rollout_copy(self.model, self.rollout_model)
-        if self.config.rollout_backend == "vllm":
+        if self.config.rollout_backend in VLLM_BACKENDS:
             self._push_to_sampler(step)
         out = cut_at_stop_strings(
             self._sample(prompts, seed, temperature), self.tokenizer, self.config.stop
@@ -566,18 +572,60 @@ class Engine:
             **settings,
         )
 
+    def _unsampled(self, prompt_ids: list[list[int]], first: int, generation: int):
+        """The step's prompts packed without completions (NaN rewards and advantages): what
+        a failed rollout server's incident keeps."""
+        cfg = self.config
+        samples = [
+            Sample(
+                tokens=ids,
+                prompt_len=len(ids),
+                advantage=math.nan,
+                sampler_logprobs=[],
+                group=first + g,
+            )
+            for g, ids in enumerate(prompt_ids)
+            for _ in range(cfg.group_size)
+        ]
+        return pack(
+            samples,
+            seq_len=cfg.seq_len,
+            micro_batch_rows=cfg.micro_batch_rows,
+            pack_rows=cfg.pack,
+            pad_token_id=self.tokenizer.pad_token_id,
+            rewards=torch.full((len(samples),), math.nan),
+            step=self.step,
+            config_digest=self.config_digest,
+            sequence_chunks=cfg.sequence_chunks,
+            generation=generation,
+            injected_faults=self.faults.injected(self.step),
+        )
+
     def _push_to_sampler(self, step: int | None) -> None:
         """Push the rollout model's weights into vLLM (started on first use); its rollout
         then scores the weight-sync probe (engine/weight_sync.py)."""
-        if self.vllm is None:
-            from grpod.engine.rollout_vllm import VLLMSampler
-
-            cfg = self.config
-            vocab = min(self.tokenizer.vocab_size, self.model.get_input_embeddings().num_embeddings)
-            self.vllm = VLLMSampler(self.rollout_model, cfg, cfg.weight_sync_probe_tokens)
-            self._probe = probe_sequence(self.vllm.probe_tokens, vocab)
+        self.start_sampler()
         with self._timed("sync"):
             self.vllm.push(self.rollout_model, self.faults.push(step))
+
+    def start_sampler(self) -> None:
+        """Start the vLLM sampler the config names (a no-op once started, or for torch)."""
+        cfg = self.config
+        if self.vllm is not None or cfg.rollout_backend not in VLLM_BACKENDS:
+            return
+        if cfg.rollout_backend == "vllm-server":
+            from grpod.engine.rollout_server import ServerSampler as Sampler
+        else:
+            from grpod.engine.rollout_vllm import VLLMSampler as Sampler
+        vocab = min(self.tokenizer.vocab_size, self.model.get_input_embeddings().num_embeddings)
+        self.vllm = Sampler(self.rollout_model, cfg, cfg.weight_sync_probe_tokens)
+        self._probe = probe_sequence(self.vllm.probe_tokens, vocab)
+
+    def close(self) -> None:
+        """Stop what the engine started outside its process (a vLLM server)."""
+        sampler, self.vllm = self.vllm, None
+        if sampler is not None:
+            sampler.close()
 
     def _check_sampler(self, scores: ProbeScores) -> WeightSyncCheck:
         """vLLM's logprobs of the probe (and its continuation) against the trainer's."""
