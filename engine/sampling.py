@@ -1,7 +1,8 @@
 """`Sampling`: completions from the rollout copy of the policy, and the weight sync before them.
 
 The torch sampler (engine/rollout.py) runs in-process on `rollout_model`; with
-`rollout_backend = "vllm"` the weights are pushed into vLLM first (started on first use)
+`rollout_backend = "vllm"` (engine/rollout_vllm.py) or `"vllm-server"`
+(engine/rollout_server.py) the weights are pushed into vLLM first (started on first use)
 and its rollout also scores the weight-sync probe, which the trainer checks
 (engine/weight_sync.py). Completions end at a stop token or stop string.
 """
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from grpod.engine.build import EngineParts
-from grpod.engine.config import EngineConfig
+from grpod.engine.config import VLLM_BACKENDS, EngineConfig
 from grpod.engine.faults import Faults
 from grpod.engine.layout import sequence_logprobs
 from grpod.engine.parallel import Parallel
@@ -24,6 +25,7 @@ from grpod.engine.rollout import Rollout, sample
 from grpod.engine.weight_sync import ProbeScores, WeightSyncCheck, compare, probe_sequence
 
 if TYPE_CHECKING:  # imported on first use: vllm is an extra
+    from grpod.engine.rollout_server import ServerSampler
     from grpod.engine.rollout_vllm import VLLMSampler
 
 
@@ -44,7 +46,8 @@ class Sampling:
         self.kv_cache, self.device = parts.kv_cache, parts.device
         self.parallel, self.faults, self.clock = parallel, faults, clock
         self.weight_version = weight_version
-        self.vllm: VLLMSampler | None = None  # built on first use: rollout_backend = "vllm"
+        # rollout_backend vllm / vllm-server: built on first use (or by `start`)
+        self.vllm: VLLMSampler | ServerSampler | None = None
         self.weight_sync: WeightSyncCheck | None = None  # the last push's check (vllm)
         self.probe: list[int] = []  # the weight-sync probe (engine/weight_sync.py)
 
@@ -62,7 +65,7 @@ class Sampling:
         if self.parallel.sharded:  # the rollout copy takes the shards' current weights
             with self.clock.timed("sync"):
                 self.parallel.sync_rollout_copy(self.model, self.rollout_model)
-        if self.config.rollout_backend == "vllm":
+        if self.config.rollout_backend in VLLM_BACKENDS:
             self._push_to_sampler(step)
         out = cut_at_stop_strings(
             self._sample(prompts, seed, temperature), self.tokenizer, self.config.stop
@@ -103,15 +106,29 @@ class Sampling:
     def _push_to_sampler(self, step: int | None) -> None:
         """Push the rollout model's weights into vLLM (started on first use); its rollout
         then scores the weight-sync probe (engine/weight_sync.py)."""
-        if self.vllm is None:
-            from grpod.engine.rollout_vllm import VLLMSampler
-
-            cfg = self.config
-            vocab = min(self.tokenizer.vocab_size, self.model.get_input_embeddings().num_embeddings)
-            self.vllm = VLLMSampler(self.rollout_model, cfg, cfg.weight_sync_probe_tokens)
-            self.probe = probe_sequence(self.vllm.probe_tokens, vocab)
+        self.start()
         with self.clock.timed("sync"):
             self.vllm.push(self.rollout_model, self.faults.push(step))
+
+    def start(self) -> None:
+        """Start the vLLM sampler the config names: colocated, or a server process (a no-op
+        once started, and for the torch sampler)."""
+        cfg = self.config
+        if self.vllm is not None or cfg.rollout_backend not in VLLM_BACKENDS:
+            return
+        if cfg.rollout_backend == "vllm-server":
+            from grpod.engine.rollout_server import ServerSampler as Sampler
+        else:
+            from grpod.engine.rollout_vllm import VLLMSampler as Sampler
+        vocab = min(self.tokenizer.vocab_size, self.model.get_input_embeddings().num_embeddings)
+        self.vllm = Sampler(self.rollout_model, cfg, cfg.weight_sync_probe_tokens)
+        self.probe = probe_sequence(self.vllm.probe_tokens, vocab)
+
+    def close(self) -> None:
+        """Stop the vLLM sampler (a server process grpod started stops with it)."""
+        sampler, self.vllm = self.vllm, None
+        if sampler is not None:
+            sampler.close()
 
     def _check_sampler(self, scores: ProbeScores) -> WeightSyncCheck:
         """vLLM's logprobs of the probe (and its continuation) against the trainer's."""

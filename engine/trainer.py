@@ -17,7 +17,7 @@ from grpod.engine.batch import TransportBatch
 from grpod.engine.build import build_parts
 from grpod.engine.config import EngineConfig
 from grpod.engine.cursor import DataCursor
-from grpod.engine.errors import EngineError, RewardError
+from grpod.engine.errors import EngineError, RewardError, SamplerError
 from grpod.engine.faults import Faults
 from grpod.engine.forward_backward import ForwardBackward
 from grpod.engine.inputs import use_reward_path
@@ -34,6 +34,7 @@ from grpod.engine.tasks import Prompt
 from grpod.engine.tokenizer import encode_prompt
 
 if TYPE_CHECKING:
+    from grpod.engine.rollout_server import ServerSampler
     from grpod.engine.rollout_vllm import VLLMSampler
     from grpod.engine.weight_sync import WeightSyncCheck
 
@@ -133,8 +134,9 @@ class Engine:
         return self.faults.per_micro_accounting
 
     @property
-    def vllm(self) -> VLLMSampler | None:
-        """The vLLM sampler (rollout_backend = "vllm"; started by the first rollout)."""
+    def vllm(self) -> VLLMSampler | ServerSampler | None:
+        """The vLLM sampler (rollout_backend vllm / vllm-server; started by the first
+        rollout, or `start_sampler`)."""
         return self.sampling.vllm
 
     @property
@@ -154,11 +156,15 @@ class Engine:
             prompts = self.task.prompts_for_step(generation, cfg.prompts_per_step, cfg.seed)
             prompts, first = self.parallel.local_groups(prompts)  # whole groups per rank
             prompt_ids = [self.encode_prompt(p.text) for p in prompts]
-            out, completions, texts = self.generate(
-                [ids for ids in prompt_ids for _ in range(cfg.group_size)],
-                step_seed(cfg.seed, generation, self.parallel.rank),
-                step=step,
-            )
+            try:
+                out, completions, texts = self.generate(
+                    [ids for ids in prompt_ids for _ in range(cfg.group_size)],
+                    step_seed(cfg.seed, generation, self.parallel.rank),
+                    step=step,
+                )
+            except SamplerError as exc:  # the prompts in flight, unsampled, for its incident
+                exc.batch = self._unsampled(prompt_ids, first)
+                raise
             rewards, function_rewards, failure = self._score_rewards(prompts, texts, first)
             rewards = faults.rewards(step, rewards, cfg.group_size)
             advantages, _ = group_advantages(
@@ -258,6 +264,14 @@ class Engine:
         rewards see (engine/sampling.py); `step`: its training step, None for an eval."""
         return self.sampling.generate(prompts, seed, temperature, step=step)
 
+    def start_sampler(self) -> None:
+        """Start the vLLM sampler the config names now (else the first rollout does)."""
+        self.sampling.start()
+
+    def close(self) -> None:
+        """Stop what the engine started outside its process (a vLLM server)."""
+        self.sampling.close()
+
     def score(self, batch: TransportBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """FP32 logprobs `[micros, rows, seq]` of every trainable token (0 elsewhere), by the
         unsharded rollout copy (no collective per micro) unless `model` is given."""
@@ -336,6 +350,19 @@ class Engine:
         if self.parallel.distributed:
             batch = replace(batch, rank=self.parallel.rank, world_size=self.parallel.world_size)
         return batch
+
+    def _unsampled(self, prompt_ids: list[list[int]], first_group: int) -> TransportBatch:
+        """The step's prompts packed without completions (NaN rewards and advantages): what
+        a failed rollout server's incident keeps."""
+        n = len(prompt_ids) * self.config.group_size
+        nothing = Rollout(
+            torch.zeros((n, 0), dtype=torch.long),
+            torch.zeros((n, 0)),
+            torch.zeros((n, 0), dtype=torch.bool),
+        )
+        nan = torch.full((n,), math.nan)
+        batch = self._pack(nothing, prompt_ids, [[] for _ in range(n)], nan, nan, first_group)
+        return replace(batch, weight_sync=None)  # no check of this push came back
 
     def _check_accumulate(self, batch: TransportBatch) -> None:
         if self._pending is not None:

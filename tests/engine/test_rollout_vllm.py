@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpod.engine import Engine, EngineConfig, EngineError, TransportBatch
-from grpod.engine.rollout_vllm import to_rollout
+from grpod.engine.rollout_vllm import sampled, to_rollout
 from grpod.engine.weight_sync import ProbeScores, WeightSyncCheck, compare, probe_sequence
 from tests.engine.helpers import config, hand_batch
 
@@ -40,14 +40,14 @@ def test_vllm_backend_without_the_extra_is_a_clear_error() -> None:
         engine.rollout()
 
 
-def logprobs(*pairs: tuple[int, float]) -> list[dict[int, SimpleNamespace]]:
-    """vLLM's per-position {token: Logprob} of sampled tokens (logprobs=0)."""
-    return [{token: SimpleNamespace(logprob=value)} for token, value in pairs]
+def logprobs(*pairs: tuple[int, float]) -> tuple[list[int], list[float] | None]:
+    """A completion as vLLM returns it (per-position {token: Logprob}, logprobs=0), read."""
+    return sampled([t for t, _ in pairs], [{t: SimpleNamespace(logprob=v)} for t, v in pairs])
 
 
 def test_vllm_logprobs_are_kept_as_vllm_gave_them_nan_and_inf_included() -> None:
     out = to_rollout(
-        [([5, 2], logprobs((5, -0.5), (2, math.nan))), ([7], logprobs((7, -math.inf)))],
+        [logprobs((5, -0.5), (2, math.nan)), logprobs((7, -math.inf))],
         max_new_tokens=3,
         pad_token_id=0,
     )
@@ -113,5 +113,7 @@ def test_the_torch_sampler_records_the_weight_version_and_no_check() -> None:
 
 
 def test_weight_sync_drills_need_the_vllm_backend() -> None:
-    with pytest.raises(ValueError, match="faults weight_sync_\\*: need rollout_backend = 'vllm'"):
+    with pytest.raises(
+        ValueError, match="faults weight_sync_\\*: need rollout_backend 'vllm' or 'vllm-server'"
+    ):
         EngineConfig(faults={"weight_sync_skip_steps": [1]})

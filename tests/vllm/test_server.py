@@ -1,0 +1,126 @@
+"""`grpod run` with `rollout_backend = "vllm-server"`: a real vLLM OpenAI server process that
+grpod starts, feeds weights through safetensors snapshots and stops. One campaign, two
+starts: a weight-sync drill caught on its step, then the server SIGKILLed (one line, an
+incident, exit 1, nothing half-written, no orphan); a resume that re-runs the failed step and
+stops on SIGTERM (the server's process group gone after the daemon exits); `grpod replay` of
+a server-sampled step in an environment without vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from grpod.engine.rollout_server import group_alive
+from tests.daemon.helpers import Grpod, cli, write_config
+
+MAIN_GRPOD = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "grpod"
+DRILL = 2  # the push before this step's rollout corrupts one matrix
+MAX_STEPS = 12
+
+
+def campaign(work: Path) -> None:
+    write_config(
+        work / "grpod.toml",
+        {
+            "engine": {
+                "rollout_backend": "vllm-server",
+                "task": "copy",
+                "prompts_per_step": 4,
+                "group_size": 4,
+                "max_new_tokens": 4,
+                "seq_len": 64,
+                "weight_sync_probe_tokens": 128,
+                "threads": 1,
+                "faults": {"weight_sync_corrupt_steps": [DRILL]},
+            },
+            "daemon": {
+                "metrics": False,
+                "log_format": "json",
+                "progress": "off",
+                "checkpoint_every": 2,
+            },
+            "forensics": {"episode_gap_steps": 0},
+            "guards.weight_sync": {"action": "FLUSH"},  # go on after the drill
+        },
+    )
+
+
+def server_pid(run: Grpod) -> int:
+    event = run.event("rollout server")
+    assert event["started"] is True and event["url"].startswith("http://127.0.0.1:"), event
+    return int(event["pid"])
+
+
+@pytest.mark.timeout(1800)  # two server starts: ~1 min each on an idle 2-core machine
+def test_a_server_campaign_survives_a_killed_server_sigterm_and_replays(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    campaign(work)
+    args = ["--config", "grpod.toml", "--run-dir", "run", "--max-steps", str(MAX_STEPS)]
+    killed: list[int] = []
+
+    def kill_the_server_after_the_drill(event: dict[str, Any]) -> None:
+        if event["event"] == "rollout server":
+            killed.append(int(event["pid"]))
+        elif event["event"] == "step" and event["step"] == DRILL + 1:
+            os.killpg(killed[0], signal.SIGKILL)  # the server, its engine and its workers
+
+    # a one-page log pipe: the daemon is never more than a page of log past the kill
+    first = Grpod(args, work, on_event=kill_the_server_after_the_drill, pipe_bytes=4096)
+    assert first.wait(timeout=1200) == 1, first.stderr[-3000:]
+    steps = {e["step"]: e for e in first.steps()}
+    assert steps[0]["weight_sync_max_abs_logprob_diff"] <= 1e-4, steps[0]
+    drill = steps[DRILL]
+    assert drill["outcome"] == "skipped", drill
+    assert [f["guard"] for f in drill["findings"]] == ["weight_sync"], drill
+    assert not float(drill["weight_sync_max_abs_logprob_diff"]) <= 1e-3, drill
+    failed_step = max(steps)
+    assert failed_step > DRILL + 1 and steps[failed_step]["outcome"] == "skipped", steps
+    assert [f["guard"] for f in steps[failed_step]["findings"]] == ["rollout"]
+    trained = [s for s, e in steps.items() if e["outcome"] == "applied"]
+    assert trained == [s for s in range(failed_step) if s != DRILL], steps
+    assert all(steps[s]["weight_sync_max_abs_logprob_diff"] <= 1e-4 for s in trained)
+    lines = [line for line in first.stderr.splitlines() if line.startswith("grpod run:")]
+    assert len(lines) == 1 and f"step {failed_step}: rollout server http://127.0.0.1:" in lines[0]
+    assert "(the server exited with status -9" in lines[0], lines
+    assert first.event("stopping")["exit_code"] == 1
+    assert not group_alive(killed[0]), "the killed server's engine or workers outlived it"
+
+    listed = cli("incidents", "list", "--run-dir", "run", "--json", cwd=work)
+    assert listed.returncode == 0, listed.stderr
+    incidents = {i["guard"]: i for i in json.loads(listed.stdout)}
+    assert incidents["rollout"]["step"] == failed_step, incidents
+    assert incidents["weight_sync"]["step"] == DRILL, incidents
+    checked = cli("fsck", "--run-dir", "run", cwd=work)
+    assert checked.returncode == 0, checked.stdout + checked.stderr  # nothing half-written
+
+    def stop_after_the_rerun(event: dict[str, Any]) -> None:
+        if event["event"] == "step" and event["step"] == failed_step:
+            second.signal(signal.SIGTERM)
+
+    second = Grpod(args, work, on_event=stop_after_the_rerun, pipe_bytes=4096)
+    assert second.wait(timeout=1200) == 0, second.stderr[-3000:]
+    assert second.event("started")["next_step"] == failed_step  # the failed step runs again
+    assert "stopped by SIGTERM" in second.event("stopping")["reason"]
+    rerun = {e["step"]: e for e in second.steps()}
+    assert rerun[failed_step]["outcome"] == "applied", rerun
+    assert all(e["weight_sync_max_abs_logprob_diff"] <= 1e-4 for e in rerun.values()), rerun
+    assert not group_alive(server_pid(second)), "the server's process group outlived the daemon"
+
+    assert MAIN_GRPOD.is_file(), "make test-vllm builds .venv first"
+    done = subprocess.run(  # an environment without vLLM replays a server-sampled step
+        [str(MAIN_GRPOD), "replay", "--run-dir", "run", "--step", str(failed_step), "--json"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["reproduced"] is True and result["step"] == failed_step, result
