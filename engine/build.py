@@ -24,7 +24,7 @@ from grpod.engine.model import load_policy, resolve_device
 from grpod.engine.parallel import Parallel
 from grpod.engine.prompts import stop_token_ids
 from grpod.engine.rewards import RewardSet
-from grpod.engine.tasks import Task, build_task
+from grpod.engine.tasks import Task, config_task
 from grpod.engine.tokenizer import require_chat_template
 
 
@@ -46,13 +46,7 @@ class EngineParts:
 
 
 def build_parts(config: EngineConfig, parallel: Parallel) -> EngineParts:
-    task = build_task(
-        config.task,
-        config.reward,
-        config.long_prompt_batch_fraction,
-        config.kv_retrieval_records,
-        config.kv_retrieval_asked,
-    )
+    task = config_task(config)
     device = resolve_device(parallel.device(config.device))
     model, tokenizer = load_policy(config.model, task.chars, config.seq_len)
     kv_cache = config.kv_cache_spec

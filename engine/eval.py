@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from grpod.engine.errors import EngineError
 from grpod.engine.rewards import RewardSet
-from grpod.engine.tasks import build_task
+from grpod.engine.tasks import config_task
 from grpod.engine.tokenizer import encode_prompt
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class Evaluator:
         if not cfg.eval_task:
             raise EngineError("eval: no eval_task configured")
         self.engine = engine
-        self.task = build_task(cfg.eval_task, cfg.reward, cfg.long_prompt_batch_fraction)
+        self.task = config_task(cfg, cfg.eval_task)
         self.rewards = RewardSet(
             self.task, cfg.rewards, cfg.reward_weights, cfg.reward_timeout_seconds
         )

@@ -26,7 +26,7 @@ from typing import Any
 from grpod.engine.config import VLLM_BACKENDS, EngineConfig, check_parallel
 from grpod.engine.errors import EngineError
 from grpod.engine.rewardcall import call_reward
-from grpod.engine.tasks import Prompt, Task, build_task, load_reward
+from grpod.engine.tasks import Prompt, Task, config_task, load_reward
 from grpod.engine.tokenizer import CharTokenizer, encode_prompt, require_chat_template
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -37,7 +37,7 @@ def preflight(config: EngineConfig) -> None:
     """Raise EngineError on the first input problem a run of `config` would hit."""
     check_parallel(config)  # under torchrun (WORLD_SIZE): what a sharded run refuses
     _check_vllm(config)
-    task = build_task(config.task, config.reward, config.long_prompt_batch_fraction)
+    task = config_task(config)
     if config.model == "tiny-qwen2":
         tokenizer: Any = CharTokenizer(task.chars)
         vocab_size, positions = tokenizer.vocab_size, None
@@ -61,7 +61,7 @@ def preflight(config: EngineConfig) -> None:
     require_chat_template(tokenizer, config.prompt_format)
     _prompts(config, f"task {task.name}", getattr(task, "prompts", None), tokenizer, vocab_size)
     if config.eval_task:  # the prompts the Evaluator will feed, as it picks them
-        held_out = build_task(config.eval_task, config.reward, config.long_prompt_batch_fraction)
+        held_out = config_task(config, config.eval_task)
         _eval_samples(config, getattr(held_out, "prompts", None))
         picked = held_out.prompts_for_step(0, config.eval_samples, config.seed)
         _prompts(config, f"eval_task {config.eval_task}", picked, tokenizer, vocab_size)

@@ -14,9 +14,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grpod.engine.errors import EngineError
 from grpod.engine.rewardcall import call_reward
+
+if TYPE_CHECKING:
+    from grpod.engine.config import EngineConfig
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -247,6 +251,19 @@ def build_task(
     if task == "kv-retrieval":
         return KVRetrievalTask(long_batch_fraction, kv_records, kv_asked)
     return JsonlTask(task, reward)
+
+
+def config_task(config: EngineConfig, task: str | None = None) -> Task:
+    """The task `config` names (`task`: another of its tasks, e.g. its `eval_task`), with
+    every setting of the config's own task: the run, preflight and the held-out eval build
+    their tasks through this one call."""
+    return build_task(
+        config.task if task is None else task,
+        config.reward,
+        config.long_prompt_batch_fraction,
+        config.kv_retrieval_records,
+        config.kv_retrieval_asked,
+    )
 
 
 def task_chars(task: str) -> str:
