@@ -122,6 +122,7 @@ class GuardedGRPOTrainer(GRPOTrainer):
             metrics_port=grpod.metrics_port,
         )
         self.grpod_digest = config_digest(self.args)
+        self.grpod_optimizer: DecliningOptimizer | None = None
         self.grpod_halted: StepResult | None = None
         self.grpod_last: StepResult | None = None
         self._grpod_pending = _Pending([])
@@ -149,16 +150,17 @@ class GuardedGRPOTrainer(GRPOTrainer):
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
-        if not isinstance(optimizer, DecliningOptimizer):
-            self.optimizer = DecliningOptimizer(optimizer, self._grpod_decide)
+        if self.grpod_optimizer is None:  # the Trainer's own, before accelerate wraps it
+            self.grpod_optimizer = DecliningOptimizer(optimizer, self._grpod_decide)
+            self.optimizer = self.grpod_optimizer
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         scheduler = super().create_scheduler(num_training_steps, optimizer)
         if not isinstance(scheduler, FollowingScheduler):
-            if not isinstance(self.optimizer, DecliningOptimizer):
-                self.create_optimizer()
-            self.lr_scheduler = FollowingScheduler(scheduler, self.optimizer)
+            if self.grpod_optimizer is None:
+                raise RuntimeError("GuardedGRPOTrainer: the LR schedule came before its optimizer")
+            self.lr_scheduler = FollowingScheduler(scheduler, self.grpod_optimizer)
         return self.lr_scheduler
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from grpod.daemon import distributed
 from grpod.daemon.config import GrpodConfig
 from grpod.daemon.health import Health, HealthServer
-from grpod.daemon.metrics import Metrics
+from grpod.daemon.metrics import Metrics, RankMetrics
 from grpod.daemon.rundir import RunDir, new_run_id
 from grpod.engine.step import StepResult
 from grpod.engine.verdict import Action
@@ -49,6 +49,7 @@ class RunSink:
         self.rank = distributed.rank()
         self.registry = CollectorRegistry()
         self.metrics: Metrics | None = None
+        self.rank_metrics: RankMetrics | None = None
         self.recorder: FlightRecorder | None = None
         self.server: HealthServer | None = None
         self.health = Health(3600.0)
@@ -94,6 +95,7 @@ class RunSink:
             self.run_id, {**config.to_json(), "trl": trl_config}, versions, "cpu"
         )
         self.metrics = Metrics(self.registry, versions)
+        self.rank_metrics = RankMetrics(self.registry, self.rank)
         host, port = self.metrics_address
         if port is not None:
             self.server = HealthServer(host, port, self.registry, self.health)
@@ -110,7 +112,8 @@ class RunSink:
         rerun = result.step <= self.last_recorded
         self.recorder.record(*step, result.verdict, result.outcome, rerun=rerun)
         phases["record"] = time.perf_counter() - started
-        assert self.metrics is not None
+        assert self.metrics is not None and self.rank_metrics is not None
+        self.rank_metrics.observe(result.report, dict(result.phase_seconds))
         self.metrics.observe_step(
             result.report, result.verdict, result.outcome, phases, correlation
         )
