@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tests.hfdir import build_hf_dir  # noqa: E402
+from tests.hfdir import build_hf_dir
 
 WORKER = Path(__file__).with_name("trl_worker.py")
 

@@ -22,7 +22,7 @@ def main(root: Path) -> None:
     outcomes: list[str] = []
 
     class Watch(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        def on_step_end(self, args, state, control, **kwargs):
             outcomes.append(str(trainer.grpod_last.outcome))
 
     trainer.add_callback(Watch())
