@@ -192,7 +192,9 @@ def _grpod_worker(conn, task: str, overrides: dict) -> None:
     conn.send(("done", peak_rss_mib(), engine.state_digest()))
 
 
-def _trl_worker(conn, task: str, max_steps: int, seed: int = 0) -> None:
+def _trl_worker(conn, task: str, max_steps: int, seed: int = 0, guarded: bool = False) -> None:
+    """TRL's GRPOTrainer on `task`; `guarded`: grpod.integrations.trl's GuardedGRPOTrainer
+    (every guard and the flight recorder on, a run dir beside TRL's output dir)."""
     set_threads()
     import logging
     import warnings
@@ -235,13 +237,19 @@ def _trl_worker(conn, task: str, max_steps: int, seed: int = 0) -> None:
 
     model = build_model()
     with tempfile.TemporaryDirectory() as out:
-        trainer = GRPOTrainer(
+        cls, extra = GRPOTrainer, {}
+        if guarded:
+            from grpod.integrations.trl import GrpodTRLConfig, GuardedGRPOTrainer
+
+            cls, extra = GuardedGRPOTrainer, {"grpod": GrpodTRLConfig(run_dir=f"{out}/run")}
+        trainer = cls(
             model=model,
             reward_funcs=[reward],
-            args=trl_config(max_steps, out, seed),
+            args=trl_config(max_steps, f"{out}/trl", seed),
             train_dataset=dataset,
             processing_class=build_hf_tokenizer(),
             callbacks=[Lockstep()],
+            **extra,
         )
         conn.send(("ready", weights_digest(trainer.model)))
         try:
