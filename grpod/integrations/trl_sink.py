@@ -8,6 +8,7 @@ the store; every rank calls `publish` (the step's batches are gathered to rank 0
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from grpod.daemon import distributed
 from grpod.daemon.config import GrpodConfig
 from grpod.daemon.health import Health, HealthServer
+from grpod.daemon.loop import STATUS_INTERVAL_SECONDS, _verdict_text
 from grpod.daemon.metrics import Metrics, RankMetrics
 from grpod.daemon.rundir import RunDir, new_run_id
 from grpod.engine.step import StepResult
@@ -58,6 +60,8 @@ class RunSink:
         self.last_recorded = -1  # the highest step recorded before this start (re-runs)
         self.checkpoint_step = -1
         self.last_verdict = "none"
+        self.last_step: int | None = None
+        self._status_written = -math.inf
 
     @property
     def metrics_url(self) -> str | None:
@@ -107,6 +111,7 @@ class RunSink:
         started = time.perf_counter()
         step = distributed.gather_step(result)
         phases = dict(result.phase_seconds)
+        self.last_step = result.step
         if step is None or self.recorder is None:
             return
         rerun = result.step <= self.last_recorded
@@ -125,9 +130,10 @@ class RunSink:
             incident_steps_total=self.recorder.incident_steps_total,
             incidents_open=self.recorder.open_incidents,
         )
-        self.last_verdict = _verdict_text(result)
+        self.last_verdict = _verdict_text(result.verdict)
         self.health.beat()
-        self.write_status("running", step=result.step, next_step=result.step + 1)
+        if time.monotonic() - self._status_written >= STATUS_INTERVAL_SECONDS:
+            self.write_status("running")
 
     def note_checkpoint(self, step: int, path: str | os.PathLike) -> None:
         """A TRL checkpoint holding the state before step `step` (its global_step)."""
@@ -153,11 +159,15 @@ class RunSink:
                 self.run_dir.held = None
 
     def write_status(self, state: str, **extra: Any) -> None:
+        """status.json (a live view; while running at most once a second, as the daemon's)."""
+        self._status_written = time.monotonic()
         status = {
             "run_id": self.run_id,
             "pid": os.getpid(),
             "state": state,
             "trainer": "trl",
+            "step": self.last_step,
+            "next_step": None if self.last_step is None else self.last_step + 1,
             "checkpoint_step": self.checkpoint_step,
             "last_verdict": self.last_verdict,
             "metrics": self.metrics_url,
@@ -165,14 +175,6 @@ class RunSink:
             **extra,
         }
         self.run_dir.write_status(status)
-
-
-def _verdict_text(result: StepResult) -> str:
-    verdict = result.verdict
-    if not verdict.findings:
-        return verdict.action.name
-    worst = max(verdict.findings, key=lambda f: f.action)
-    return f"{verdict.action.name} ({worst.guard}: {worst.message})"
 
 
 def is_halt(result: StepResult) -> bool:
