@@ -224,7 +224,8 @@ def _trl_worker(conn, task: str, max_steps: int, seed: int = 0, guarded: bool = 
         def _report(self) -> None:
             if self.started is not None:
                 seconds = time.perf_counter() - self.started
-                conn.send(("step", seconds, last["reward"], last["tokens"], {}))
+                phases = {"grpod_s": last.pop("grpod_s")} if "grpod_s" in last else {}
+                conn.send(("step", seconds, last["reward"], last["tokens"], phases))
 
         def on_step_begin(self, args, state, control, **kwargs):
             self._report()
@@ -251,6 +252,22 @@ def _trl_worker(conn, task: str, max_steps: int, seed: int = 0, guarded: bool = 
             callbacks=[Lockstep()],
             **extra,
         )
+        if guarded:  # the integration's own seconds per step: the decision without inner.step()
+            decide = trainer._grpod_decide
+
+            def timed(apply):
+                started, applying = time.perf_counter(), [0.0]
+
+                def timed_apply():
+                    begun = time.perf_counter()
+                    apply()
+                    applying[0] += time.perf_counter() - begun
+
+                applied = decide(timed_apply)
+                last["grpod_s"] = time.perf_counter() - started - applying[0]
+                return applied
+
+            trainer._grpod_decide = timed
         conn.send(("ready", weights_digest(trainer.model)))
         try:
             trainer.train()
