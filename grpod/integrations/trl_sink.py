@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -108,20 +109,18 @@ class RunSink:
 
     def publish(self, result: StepResult, correlation: float | None) -> None:
         """Every rank: record the step (gathered to rank 0), publish its metrics and status."""
-        started = time.perf_counter()
-        step = distributed.gather_step(result)
-        phases = dict(result.phase_seconds)
         self.last_step = result.step
-        if step is None or self.recorder is None:
+        if self.rank_metrics is not None:  # this rank's own numbers, before the gather
+            self.rank_metrics.observe(result)
+        started = time.perf_counter()
+        recorded = distributed.gather_step(result)
+        if recorded is None or self.recorder is None:
             return
-        rerun = result.step <= self.last_recorded
-        self.recorder.record(*step, result.verdict, result.outcome, rerun=rerun)
-        phases["record"] = time.perf_counter() - started
-        assert self.metrics is not None and self.rank_metrics is not None
-        self.rank_metrics.observe(result.report, dict(result.phase_seconds))
-        self.metrics.observe_step(
-            result.report, result.verdict, result.outcome, phases, correlation
-        )
+        self.recorder.record(recorded, rerun=result.step <= self.last_recorded)
+        seconds = time.perf_counter() - started
+        result = replace(result, phase_seconds={**result.phase_seconds, "record": seconds})
+        assert self.metrics is not None
+        self.metrics.observe_step(result, correlation)
         self.metrics.observe_recorder(
             self.recorder.queue_depth,
             self.recorder.blocked_total,
