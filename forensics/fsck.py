@@ -2,7 +2,7 @@
 them add up; every kept checkpoint is complete, and which one resume would choose) and `gc`
 (prune within a size budget).
 
-What retention keeps and how it prunes is forensics/prune.py (the daemon runs it after every
+What retention keeps and how it prunes is forensics/retention.py (the daemon runs it after every
 checkpoint; `gc` runs it on demand).
 """
 
@@ -20,8 +20,8 @@ from grpod.engine.distcp import problems
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Step, StepRank
-from grpod.forensics.prune import GcReport, leftovers, pins, prune, retention_start
 from grpod.forensics.resume import choose_checkpoint
+from grpod.forensics.retention import GcReport, leftovers, pins, prune, retention_start
 from grpod.forensics.store import Store
 
 __all__ = ["FsckReport", "GcReport", "fsck", "gc"]
@@ -164,7 +164,7 @@ def gc(
     keep_checkpoints: int = 0,
 ) -> GcReport:
     """Prune batches outside retention, then old checkpoints while over `budget_bytes`
-    (forensics/prune.py, which the daemon also runs after every checkpoint)."""
+    (forensics/retention.py, which the daemon also runs after every checkpoint)."""
     store = Store(run_dir, store_url, create=False)
     try:
         store.check_schema()

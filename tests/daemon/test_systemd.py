@@ -11,6 +11,8 @@ import pytest
 
 from grpod import daemon
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 UNIT = Path(daemon.__file__).with_name("systemd") / "grpod.service"
 
 

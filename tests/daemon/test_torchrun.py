@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -35,6 +36,8 @@ from tests.daemon.helpers import (
     wait_until,
     write_config,
 )
+
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENGINE = {  # W2 (long prompts, 256-token rows in 4 sequence chunks), one row per micro
