@@ -192,7 +192,9 @@ def _grpod_worker(conn, task: str, overrides: dict) -> None:
     conn.send(("done", peak_rss_mib(), engine.state_digest()))
 
 
-def _trl_worker(conn, task: str, max_steps: int, seed: int = 0) -> None:
+def _trl_worker(conn, task: str, max_steps: int, seed: int = 0, guarded: bool = False) -> None:
+    """TRL's GRPOTrainer on `task`; `guarded`: grpod.integrations.trl's GuardedGRPOTrainer
+    (every guard and the flight recorder on, a run dir beside TRL's output dir)."""
     set_threads()
     import logging
     import warnings
@@ -222,7 +224,8 @@ def _trl_worker(conn, task: str, max_steps: int, seed: int = 0) -> None:
         def _report(self) -> None:
             if self.started is not None:
                 seconds = time.perf_counter() - self.started
-                conn.send(("step", seconds, last["reward"], last["tokens"], {}))
+                phases = {"grpod_s": last.pop("grpod_s")} if "grpod_s" in last else {}
+                conn.send(("step", seconds, last["reward"], last["tokens"], phases))
 
         def on_step_begin(self, args, state, control, **kwargs):
             self._report()
@@ -235,14 +238,36 @@ def _trl_worker(conn, task: str, max_steps: int, seed: int = 0) -> None:
 
     model = build_model()
     with tempfile.TemporaryDirectory() as out:
-        trainer = GRPOTrainer(
+        cls, extra = GRPOTrainer, {}
+        if guarded:
+            from grpod.integrations.trl import GrpodTRLConfig, GuardedGRPOTrainer
+
+            cls, extra = GuardedGRPOTrainer, {"grpod": GrpodTRLConfig(run_dir=f"{out}/run")}
+        trainer = cls(
             model=model,
             reward_funcs=[reward],
-            args=trl_config(max_steps, out, seed),
+            args=trl_config(max_steps, f"{out}/trl", seed),
             train_dataset=dataset,
             processing_class=build_hf_tokenizer(),
             callbacks=[Lockstep()],
+            **extra,
         )
+        if guarded:  # the integration's own seconds per step: the decision without inner.step()
+            decide = trainer._grpod_decide
+
+            def timed(apply):
+                started, applying = time.perf_counter(), [0.0]
+
+                def timed_apply():
+                    begun = time.perf_counter()
+                    apply()
+                    applying[0] += time.perf_counter() - begun
+
+                applied = decide(timed_apply)
+                last["grpod_s"] = time.perf_counter() - started - applying[0]
+                return applied
+
+            trainer._grpod_decide = timed
         conn.send(("ready", weights_digest(trainer.model)))
         try:
             trainer.train()

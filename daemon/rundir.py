@@ -63,9 +63,10 @@ class RunDir:
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigError(f"run dir {self.path}: unreadable {RUN_NAME}: {exc}") from None
 
-    def create(self, run_id: str, config: GrpodConfig) -> None:
+    def create(self, run_id: str, config: GrpodConfig, trainer: str = "grpod") -> None:
         """Make a new run dir atomically: built beside its name, renamed into place (over an
-        empty directory if one is there), so a run dir is complete or absent."""
+        empty directory if one is there), so a run dir is complete or absent. `trainer`:
+        whose steps it records (`grpod`, or `trl` for grpod.integrations.trl)."""
         try:
             with atomic_dir(self.path) as tmp:
                 (tmp / CHECKPOINTS).mkdir()
@@ -77,6 +78,7 @@ class RunDir:
                     "created_at": time.time(),
                     "config": CONFIG_NAME,
                     "inputs": input_digests(config.engine),  # engine/inputs.py
+                    **({"trainer": trainer} if trainer != "grpod" else {}),
                 }
                 (tmp / RUN_NAME).write_text(json.dumps(record) + "\n", encoding="utf-8")
         except OSError as exc:
@@ -89,6 +91,13 @@ class RunDir:
             raise ConfigError(
                 f"run dir {self.path}: cannot create: {exc.strerror or exc}{where}"
             ) from None
+
+    def trainer(self) -> str:
+        """Whose steps the run records: `grpod` (the daemon's) or `trl`."""
+        try:
+            return str(json.loads((self.path / RUN_NAME).read_text()).get("trainer", "grpod"))
+        except (OSError, ValueError):
+            return "grpod"
 
     def check_inputs(self, under: str = "") -> None:
         """ConfigError naming a model or task file (`under`: only those in that directory)

@@ -75,6 +75,10 @@ class TransportBatch:
     # batch recorded before versions), and the weight-sync check of a separate sampler (vLLM)
     weight_version: int | None = None
     weight_sync: WeightSyncCheck | None = None
+    # a trainer whose rows are [left-padded prompt | right-padded completion] (TRL): each
+    # micro's (prompt columns, completion columns), so its own inputs can be rebuilt exactly;
+    # () for grpod's packed rows
+    segments: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_micros(self) -> int:
@@ -155,6 +159,7 @@ class TransportBatch:
                 name: [v for b in batches for v in b.function_rewards[name]]
                 for name in first.function_rewards
             },
+            segments=tuple(s for b in batches for s in b.segments),
         )
 
     def part(self, rank: int) -> TransportBatch:
@@ -182,6 +187,7 @@ class TransportBatch:
             micro_order=order,
             rank_micros=(),
             rank_samples=(),
+            segments=self.segments[m] if self.segments else (),
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -213,6 +219,8 @@ class TransportBatch:
             metadata["weight_version"] = str(self.weight_version)
         if self.weight_sync is not None:
             metadata["weight_sync"] = self.weight_sync.to_json()
+        if self.segments:  # absent for packed rows: their digest is unchanged
+            metadata["segments"] = json.dumps([list(s) for s in self.segments])
         return metadata
 
     def _rank_metadata(self) -> dict[str, str]:
@@ -321,6 +329,7 @@ def _provenance(metadata: dict[str, str]) -> dict[str, Any]:
         "function_rewards": json.loads(metadata.get("function_rewards", "{}")),
         "weight_version": None if version is None else int(version),
         "weight_sync": WeightSyncCheck.from_json(check) if check else None,
+        "segments": tuple((int(p), int(c)) for p, c in json.loads(metadata.get("segments", "[]"))),
         **_ranks({k: json.loads(v) for k, v in metadata.items() if k in RANK_KEYS}),
     }
 

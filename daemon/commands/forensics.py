@@ -92,17 +92,28 @@ def _replay(args: argparse.Namespace) -> int:
         raise ForensicsError("give an INCIDENT_ID or --step N (exactly one)")
     from grpod.daemon.rundir import RunDir
 
-    RunDir(args.run_dir).check_inputs()  # a moved or changed model or task is named
+    run = RunDir(args.run_dir)
+    run.check_inputs()  # a moved or changed model or task is named
     progress = _ProgressBar() if sys.stderr.isatty() else None
-    result = replay(
-        args.run_dir,
-        step=args.step,
-        incident_id=args.incident,
-        trace=args.trace,
-        store_url=args.store_url,
-        progress=progress,
-        rank=args.rank,
-    )
+    if run.trainer() == "trl":  # recorded by grpod.integrations.trl: through TRL's own loss
+        from grpod.integrations.trl_replay import replay as replay_trl
+
+        if args.rank is not None or args.trace:
+            raise ForensicsError("replay of a TRL step: --rank and --trace are not supported")
+        progress = None
+        result = replay_trl(
+            args.run_dir, step=args.step, incident_id=args.incident, store_url=args.store_url
+        )
+    else:
+        result = replay(
+            args.run_dir,
+            step=args.step,
+            incident_id=args.incident,
+            trace=args.trace,
+            store_url=args.store_url,
+            progress=progress,
+            rank=args.rank,
+        )
     if distributed.world_size() > 1:  # under torchrun: every rank replayed its part
         if distributed.rank() != 0:
             distributed.leave(0, together=True)

@@ -1,0 +1,155 @@
+"""Replay of a recorded TRL step through TRL's own loss (`grpod replay` on a TRL run).
+
+From the TRL checkpoint at or before the step (`checkpoint-N/`: weights, `optimizer.pt`,
+`scheduler.pt`, `training_args.bin`), a plain `trl.GRPOTrainer` is rebuilt whose
+`_prepare_inputs` hands back each recorded micro-batch (`trl_batch.micro_inputs`); every
+recorded step from the checkpoint on runs TRL's `training_step` per micro, the Trainer's
+clip and grad norm, and then the optimizer and schedule step when the step was applied (a
+flushed step only discards its gradients), as the Trainer's loop does. The target step's
+loss, grad norm, valid tokens (TRL's recorded num_items_in_batch, the divisor it used) and
+the mask's sum are compared with the record, bit for bit. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpod.engine.verdict import Action, Outcome
+from grpod.forensics.errors import ForensicsError
+from grpod.forensics.replay import ReplayResult, _plan, bit_equal
+from grpod.forensics.store import Store
+from grpod.integrations.trl_batch import micro_inputs
+from grpod.jsonsafe import to_json
+
+COMPARED = ("valid_tokens", "expected_valid_tokens", "loss", "grad_norm")
+
+
+def is_trl_run(config: dict[str, Any]) -> bool:
+    return isinstance(config.get("trl"), dict) and config["trl"].get("trainer") == "trl"
+
+
+def replay(
+    run_dir: str | os.PathLike,
+    step: int | None = None,
+    incident_id: int | None = None,
+    *,
+    store_url: str = "",
+) -> ReplayResult:
+    """Replay `step` (or the step of `incident_id`) of a guarded TRL run in `run_dir`."""
+    if (step is None) == (incident_id is None):
+        raise ForensicsError("replay: give exactly one of an incident id or --step")
+    store = Store(run_dir, store_url, create=False)
+    try:
+        store.check_schema()
+        _config, _versions, checkpoint, plan = _plan(store, step, incident_id)
+        path = store.checkpoint_path(checkpoint)
+    finally:
+        store.close()
+    if any(item.batch.world_size > 1 for item in plan):
+        raise ForensicsError(
+            f"step {plan[-1].report.step}: recorded under several processes; replay of a "
+            "distributed TRL step is not supported"
+        )
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = _restore(Path(path), scratch)
+        diverged_at = diverged_field = None
+        replayed: dict[str, Any] = {}
+        for item in plan:
+            applied = item.row.outcome == Outcome.APPLIED
+            numbers = _rerun(trainer, item.batch, item.report.valid_tokens, applied)
+            recorded = _recorded(item.report)
+            if diverged_at is None:
+                diverged_field = next(
+                    (k for k in COMPARED if not bit_equal(recorded[k], numbers[k])), None
+                )
+                if diverged_field is not None:
+                    diverged_at = item.report.step
+            replayed = numbers
+    target = plan[-1]
+    reproduced = diverged_at is None
+    bad = target.row.verdict_action != Action.PASS.name or target.row.outcome != Outcome.APPLIED
+    return ReplayResult(
+        reproduced=reproduced,
+        step=target.report.step,
+        recorded={k: to_json(v) for k, v in _recorded(target.report).items()},
+        replayed={k: to_json(v) for k, v in replayed.items()},
+        classification=("persistent" if bad else "healthy") if reproduced else "transient",
+        diverged_at=diverged_at,
+        field=diverged_field,
+        outcome=target.row.outcome,
+        verdict_action=target.row.verdict_action,
+        checkpoint_step=checkpoint.step,
+        steps_replayed=len(plan),
+        incident_id=incident_id,
+        note="TRL run: valid_tokens is the recorded num_items_in_batch TRL divided by",
+    )
+
+
+def _recorded(report: Any) -> dict[str, Any]:
+    return {
+        "valid_tokens": report.valid_tokens,
+        "expected_valid_tokens": report.expected_valid_tokens,
+        "loss": report.loss,
+        "grad_norm": report.grad_norm,
+    }
+
+
+def _restore(checkpoint: Path, scratch: str) -> Any:
+    """A `GRPOTrainer` in the checkpoint's state, whose micro-batches come from the record."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    class _Recorded(GRPOTrainer):
+        def _prepare_inputs(self, generation_batch: Any) -> Any:
+            return generation_batch  # a recorded micro, as `_compute_loss` took it
+
+    if not (checkpoint / "training_args.bin").is_file():
+        raise ForensicsError(f"checkpoint {checkpoint}: no training_args.bin (not TRL's)")
+    args = torch.load(checkpoint / "training_args.bin", weights_only=False)
+    args.output_dir, args.report_to = scratch, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        trainer = _Recorded(
+            model=model,
+            reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+            args=args,
+            train_dataset=Dataset.from_list([{"prompt": "replay"}]),
+            processing_class=tokenizer,
+        )
+    trainer.create_optimizer_and_scheduler(num_training_steps=max(args.max_steps, 1))
+    trainer._load_optimizer_and_scheduler(str(checkpoint))
+    trainer.model.train()
+    return trainer
+
+
+def _rerun(trainer: Any, batch: Any, num_items: int, applied: bool) -> dict[str, Any]:
+    """One recorded step as the Trainer's loop runs it: each micro's training_step, the clip
+    and grad norm, then the optimizer and schedule step if it was applied."""
+    micros = micro_inputs(batch, num_items)
+    trainer.current_gradient_accumulation_steps = len(micros)
+    losses = []
+    for i, inputs in enumerate(micros):
+        trainer.accelerator.gradient_state._set_sync_gradients(i == len(micros) - 1)
+        losses.append(float(trainer.training_step(trainer.model, inputs, None)))
+    clipped = trainer._clip_grad_norm(trainer.model) if trainer.args.max_grad_norm > 0 else None
+    grad_norm = float(trainer._get_grad_norm(trainer.model, grad_norm=clipped))
+    if applied:
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+    trainer.model.zero_grad()
+    return {
+        "valid_tokens": num_items,
+        "expected_valid_tokens": int(batch.loss_mask.sum()),
+        "loss": math.fsum(losses),
+        "grad_norm": grad_norm,
+    }
