@@ -21,20 +21,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from grpod import torchrun
 from grpod.daemon.errors import ConfigError
 from grpod.engine import TransportBatch
 from grpod.engine.report import RankReport
 from grpod.engine.step import StepResult
+from grpod.torchrun import rank, world_size  # the daemon's callers read them from here
 
 T = TypeVar("T")
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 def use_multiprocess_metrics(run_dir: str | os.PathLike) -> Path:
@@ -43,7 +37,7 @@ def use_multiprocess_metrics(run_dir: str | os.PathLike) -> Path:
     chooses its value class once, from the environment."""
     if "prometheus_client.values" in sys.modules:
         raise RuntimeError("prometheus_client was imported before its multiprocess directory")
-    path = Path(run_dir).resolve() / "prometheus" / f"node-{os.environ.get('GROUP_RANK', '0')}"
+    path = Path(run_dir).resolve() / "prometheus" / f"node-{torchrun.group_rank()}"
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
     return path
 

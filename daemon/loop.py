@@ -24,6 +24,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from torch.distributed.checkpoint.stateful import Stateful
 
+from grpod import torchrun
 from grpod.daemon import distributed, logs
 from grpod.daemon.config import GrpodConfig, load_config
 from grpod.daemon.errors import BAD_INPUT_ERRORS, ConfigError
@@ -68,7 +69,7 @@ class Daemon:
         self.config: GrpodConfig = plan.config
         self.run_dir = plan.run_dir
         cfg = self.config.daemon
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.rank = torchrun.rank()
         self.progress = Progress(cfg.max_steps) if wanted(cfg.progress) else None
         self.log = logs.make_logger(
             cfg.log_format,
@@ -84,7 +85,7 @@ class Daemon:
         self.metrics: Metrics | None = None  # rank 0's, made in _start
         self.rank_metrics: RankMetrics | None = None  # every rank's own
         self.server: HealthServer | None = None
-        if cfg.metrics and os.environ.get("LOCAL_RANK", "0") == "0":
+        if cfg.metrics and torchrun.local_rank() == 0:
             try:  # bound before anything is created: a taken port is a config error
                 self.server = HealthServer(
                     cfg.metrics_host, cfg.metrics_port, serving_registry(self.registry), self.health
@@ -140,7 +141,7 @@ class Daemon:
         """Rank 0: the step's metrics; every rank: its own. Under torchrun the node's local
         rank 0 first empties its multiprocess directory; no rank has a metric before that."""
         if distributed.world_size() > 1 and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            if os.environ.get("LOCAL_RANK", "0") == "0":
+            if torchrun.local_rank() == 0:
                 prepare_multiproc_dir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
             distributed.barrier()
         if self.rank == 0:

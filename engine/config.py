@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from grpod import torchrun
 from grpod.engine.errors import EngineError
 from grpod.engine.kvcache import KVCacheSpec, default_sinks
 
@@ -377,9 +377,9 @@ def _is_task(name: str) -> bool:
 def check_parallel(config: EngineConfig, world: int | None = None) -> str:
     """The parallel mode of `config` over `world` ranks (default: `WORLD_SIZE`); EngineError
     for what a sharded run refuses, as preflight checks it before anything is created."""
-    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    world = torchrun.world_size() if world is None else world
     mode = config.parallel if config.parallel != "auto" else ("fsdp2" if world > 1 else "none")
-    if world == 1 and "RANK" not in os.environ:
+    if world == 1 and not torchrun.launched():
         # one process outside torchrun (`grpod replay --rank R`, a one-process resume of a
         # torchrun run): nothing to shard or replicate, and no process group to join
         mode = "none"

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from grpod import torchrun
 from grpod.engine.config import check_parallel
 from grpod.engine.trunk import hf_states, trunk_hidden
 
@@ -75,8 +75,7 @@ class Parallel:
     @classmethod
     def start(cls, config: EngineConfig) -> Parallel:
         """Read the torchrun environment, check the config against it, join the group."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+        world, rank, local = torchrun.world_size(), torchrun.rank(), torchrun.local_rank()
         mode = check_parallel(config, world)
         if mode == "none":  # under torchrun too: each rank its own replica, no engine collective
             return cls("none")
@@ -215,7 +214,7 @@ def join() -> None:
         return
     backend = "gloo"
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(torchrun.local_rank())
         backend = "cpu:gloo,cuda:nccl"  # the daemon's small host-side collectives stay on gloo
     dist.init_process_group(backend, timeout=TIMEOUT)
 
