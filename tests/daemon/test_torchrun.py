@@ -331,10 +331,11 @@ def test_a_replica_per_rank_records_rank_0s_steps(tmp_path) -> None:
 def test_a_ddp_campaign_a_guard_halts_exits_3_and_replays_one_rank_alone(tmp_path) -> None:
     """Steps 1 and 2 lose their loss to NaN (a drill): two flushes in a row are a HALT on
     every rank (the verdict is max-reduced), after a collective checkpoint; the agent exits 3,
-    which the unit's RestartPreventExitStatus keeps down."""
+    which the unit's RestartPreventExitStatus keeps down. `device = "auto"`: each rank's CUDA
+    device, here (no CUDA) the CPU with gloo, as in one process."""
     run_dir, text = _short_campaign(
         tmp_path,
-        {"parallel": "ddp", "faults": {"nan_loss_steps": [1, 2]}},
+        {"parallel": "ddp", "device": "auto", "faults": {"nan_loss_steps": [1, 2]}},
         8,
         expect=3,
         guards={"halt_after_consecutive_flushes": 2},

@@ -119,6 +119,15 @@ def test_the_torchrun_environment_is_checked_before_anything_is_built(monkeypatc
         assert (one.mode, one.world_size) == ("none", 1)
 
 
+def test_auto_is_the_ranks_cuda_device_when_there_is_one_else_the_cpu() -> None:
+    from grpod.engine.parallel import Parallel
+
+    rank_1 = Parallel("fsdp2", rank=1, world_size=2, local_rank=1)
+    assert rank_1.device("auto") == ("cuda:1" if torch.cuda.is_available() else "cpu")
+    assert rank_1.device("cuda") == "cuda:1" and rank_1.device("cpu") == "cpu"
+    assert Parallel("none").device("auto") == "auto"  # one process: resolve_device decides
+
+
 def test_config_check_under_a_sharding_world_refuses_lora(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
