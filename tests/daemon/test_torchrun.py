@@ -227,7 +227,8 @@ def test_sigterm_to_the_agent_checkpoints_every_rank_then_resume_and_replay(tmp_
         timeout=120,
     )
     result = json.loads(alone.stdout.strip().splitlines()[-1])
-    assert result["reproduced"] is True, result
+    # past steps run in one process: bit-exact on this CPU, else within the stated tolerance
+    assert result["reproduced"] is True or result["reproduced"].startswith("within 1e-6"), result
     rank_1 = json.loads(rows[-1][1])["rank_reports"][1]
     assert result["replayed"] == {
         "valid_tokens": rank_1["valid_tokens"],
@@ -367,6 +368,18 @@ def test_a_ddp_campaign_a_guard_halts_exits_3_and_replays_one_rank_alone(tmp_pat
     assert alone.returncode == 0, alone.stderr[-3000:]
     result = json.loads(alone.stdout.strip().splitlines()[-1])
     assert result["reproduced"] is True and result["replayed"]["valid_tokens"] == dict(ranks)[1]
+    # the whole 2-rank step in one process: another reduction order, a stated tolerance
+    whole = subprocess.run(
+        [GRPOD, "replay", "--run-dir", str(run_dir), "--step", "0", "--json"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    result = json.loads(whole.stdout.strip().splitlines()[-1])
+    topology = "(recorded on 2 ranks, replayed in 1 process: reduction order differs)"
+    assert result["reproduced"] in (True, f"within 1e-6 {topology}"), result
 
 
 def test_a_refusal_on_one_rank_is_every_ranks_one_line_and_exit_2(tmp_path) -> None:
