@@ -8,7 +8,8 @@ the last step under torchrun (global loss, valid tokens and grad norm bit-exact)
 part alone in one process (its local valid tokens and loss); last, one job loses a worker to
 SIGKILL (the agent tears it down and exits 1), and one process (world size 1) resumes the last
 complete 2-rank checkpoint resharded, past a half-written one. Then a short `parallel = "ddp"`
-campaign a guard HALTs (exit 3; one rank replayed in one process), and a job a rank refuses
+LoRA campaign a guard HALTs (exit 3; one rank, then the whole step replayed in one process), a
+LoRA campaign under `fsdp2` stopped, resumed, replayed and exported, and a job a rank refuses
 before its first step (exit 2, one line per rank, nothing created).
 """
 
@@ -26,6 +27,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -329,17 +331,20 @@ def test_a_replica_per_rank_records_rank_0s_steps(tmp_path) -> None:
         assert report["valid_tokens"] == report["expected_valid_tokens"]
 
 
-def test_a_ddp_campaign_a_guard_halts_exits_3_and_replays_one_rank_alone(tmp_path) -> None:
-    """Steps 1 and 2 lose their loss to NaN (a drill): two flushes in a row are a HALT on
-    every rank (the verdict is max-reduced), after a collective checkpoint; the agent exits 3,
-    which the unit's RestartPreventExitStatus keeps down. `device = "auto"`: each rank's CUDA
-    device, here (no CUDA) the CPU with gloo, as in one process."""
+def test_a_ddp_lora_campaign_a_guard_halts_exits_3_and_replays(tmp_path) -> None:
+    """LoRA adapters under `ddp` (only their gradients all-reduced). Steps 1 and 2 lose their
+    loss to NaN (a drill): two flushes in a row are a HALT on every rank (the verdict is
+    max-reduced), after a collective checkpoint; the agent exits 3, which the unit's
+    RestartPreventExitStatus keeps down. `device = "auto"`: each rank's CUDA device, here (no
+    CUDA) the CPU with gloo, as in one process."""
+    pytest.importorskip("peft")
     run_dir, text = _short_campaign(
         tmp_path,
         {"parallel": "ddp", "device": "auto", "faults": {"nan_loss_steps": [1, 2]}},
         8,
         expect=3,
         guards={"halt_after_consecutive_flushes": 2},
+        **{"engine.lora": {"rank": 4, "alpha": 8.0}},
     )
     stopped = events(text, "stopped")
     assert [stopped[r]["exit_code"] for r in (0, 1)] == [3, 3]
@@ -347,6 +352,7 @@ def test_a_ddp_campaign_a_guard_halts_exits_3_and_replays_one_rank_alone(tmp_pat
     checkpoint = run_dir / "checkpoints" / f"step-{halted_at:08d}"
     assert {p.name for p in checkpoint.glob("rank-*")} == {"rank-0", "rank-1"}
     assert "grpod run: the job exits 3" in text
+    assert {p.name for p in (checkpoint / "rank-0").iterdir()} >= {"state.json"}
     with sqlite3.connect(run_dir / "grpod.sqlite") as db:
         outcomes = db.execute("SELECT step, outcome FROM steps ORDER BY step").fetchall()
         (report,) = db.execute("SELECT report_json FROM steps WHERE step = 0").fetchall()[0]
@@ -406,3 +412,59 @@ def test_a_refusal_on_one_rank_is_every_ranks_one_line_and_exit_2(tmp_path) -> N
         ]
     ), done.stderr
     assert "Traceback" not in done.stderr and not run_dir.exists()
+
+
+def test_lora_under_fsdp2_stops_resumes_replays_and_exports(tmp_path) -> None:
+    """LoRA adapters under `fsdp2` (the frozen base sharded with them): SIGTERM checkpoints
+    every rank's shards, a resume continues from them, the resumed step replays under
+    torchrun bit-exactly and both exports read the checkpoint. (LoRA under `ddp`: the HALT
+    drill above, checkpoint and replays included.)"""
+    pytest.importorskip("peft")
+    parallel = "fsdp2"
+    config = write_config(
+        tmp_path / "grpod.toml",
+        {
+            "engine": {**TINY_ENGINE, "micro_batch_rows": 1, "parallel": parallel, "lr": 1e-2},
+            "engine.lora": {"rank": 4, "alpha": 8.0},
+            "daemon": {"metrics_port": 0, "checkpoint_every": 100},
+        },
+    )
+    run_dir, log = tmp_path / "run", tmp_path / "first.log"
+    with _agent(launcher("--config", str(config), "--run-dir", str(run_dir)), log, ENV) as agent:
+        _wait(agent, lambda: _status_step(run_dir) >= 1, "step 1 in status.json")
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=GRACE_SECONDS + 60) == 0, log.read_text()[-3000:]
+    stopped = events(log.read_text(), "stopped")
+    stop_step = stopped[0]["next_step"]
+    assert [stopped[r]["exit_code"] for r in (0, 1)] == [0, 0]
+    checkpoint = run_dir / "checkpoints" / f"step-{stop_step:08d}"
+    assert (checkpoint / ".metadata").is_file()
+    assert {p.name for p in checkpoint.glob("rank-*")} == {"rank-0", "rank-1"}
+
+    args = launcher("--run-dir", str(run_dir), "--max-steps", str(stop_step + 1))
+    resumed = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    started = events(resumed.stdout, "started")
+    assert [started[r]["resumed_from"] for r in (0, 1)] == [stop_step, stop_step]
+
+    step = ["--run-dir", str(run_dir), "--step", str(stop_step), "--json"]
+    replayed = subprocess.run(
+        torchrun("replay", *step), env=ENV, capture_output=True, text=True, timeout=180
+    )
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    result = json.loads(replayed.stdout.strip().splitlines()[-1])
+    assert result["reproduced"] is True, result
+
+    for kind in (["--adapter"], []):
+        out = tmp_path / ("adapter" if kind else "merged")
+        done = subprocess.run(
+            [GRPOD, "export", "--run-dir", str(run_dir), *kind, str(out)],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+    adapter = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert any("lora_B" in n and t.abs().sum() > 0 for n, t in adapter.items())  # trained
+    assert not any("lora_" in n for n in load_file(str(tmp_path / "merged/model.safetensors")))
