@@ -8,7 +8,8 @@ the last step under torchrun (global loss, valid tokens and grad norm bit-exact)
 part alone in one process (its local valid tokens and loss); last, one job loses a worker to
 SIGKILL (the agent tears it down and exits 1), and one process (world size 1) resumes the last
 complete 2-rank checkpoint resharded, past a half-written one. Then a short `parallel = "ddp"`
-LoRA campaign a guard HALTs (exit 3; one rank, then the whole step replayed in one process), a
+LoRA campaign a guard HALTs (exit 3; one rank, then the whole step replayed in one process),
+two "nodes" on loopback (`--nnodes 2`, one rank each, one run dir), a
 LoRA campaign under `fsdp2` stopped, resumed, replayed and exported, and a job a rank refuses
 before its first step (exit 2, one line per rank, nothing created).
 """
@@ -318,9 +319,31 @@ def _short_campaign(
     return run_dir, done.stdout + done.stderr
 
 
-def test_a_replica_per_rank_records_rank_0s_steps(tmp_path) -> None:
-    """`parallel = "none"` under torchrun: no engine collective, rank 0 records its own."""
-    run_dir, _ = _short_campaign(tmp_path, {"parallel": "none"}, 2)
+def test_two_nodes_on_loopback_one_rank_each_share_the_run_dir(tmp_path) -> None:
+    """Two agents with torchrun's rendezvous options (`--nnodes 2`, c10d on loopback), one
+    rank each, one run dir: a 2-rank job whose ranks are on different "nodes" (each node's
+    metrics files apart); `parallel = "none"`: a replica per rank, rank 0 records its own."""
+    config = write_config(
+        tmp_path / "grpod.toml",
+        {
+            "engine": {**TINY_ENGINE, "micro_batch_rows": 1, "parallel": "none"},
+            "daemon": {"metrics_port": 0, "checkpoint_every": 2},
+        },
+    )
+    run_dir, port = tmp_path / "run", free_port()
+    rendezvous = ["--nnodes", "2", "--rdzv-backend", "c10d"]
+    rendezvous += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "loopback"]
+    args = [GRPOD, "run", "--nproc-per-node", "1", *rendezvous, "--config", str(config)]
+    args += ["--run-dir", str(run_dir), "--max-steps", "2"]
+    nodes = [
+        subprocess.Popen(args, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:]
+    started = events(outputs[0][0] + outputs[1][0], "started")
+    assert sorted(started) == [0, 1]
+    assert {p.name for p in (run_dir / "prometheus").iterdir()} == {"node-0", "node-1"}
     with sqlite3.connect(run_dir / "grpod.sqlite") as db:
         steps = db.execute("SELECT step, report_json FROM steps ORDER BY step").fetchall()
         (rows,) = db.execute("SELECT count(*) FROM step_ranks").fetchone()
