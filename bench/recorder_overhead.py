@@ -32,10 +32,10 @@ from safetensors.torch import save
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpod.engine import Engine, EngineConfig
+from grpod.engine import Action, Engine, EngineConfig, Outcome, StepResult, Verdict
 from grpod.forensics import BlobStore, FlightRecorder, ForensicsConfig
 
-PASS = {"action": "PASS", "findings": []}
+PASS = Verdict(Action.PASS)
 
 
 def timed_block(
@@ -50,7 +50,7 @@ def timed_block(
         engine.apply()
         if recorder is not None:
             called = time.perf_counter()
-            recorder.record(batch, report, PASS, "applied")
+            recorder.record(StepResult(batch, report, PASS, Outcome.APPLIED, {}))
             record_calls.append(time.perf_counter() - called)
     if recorder is not None:
         recorder.drain()

@@ -54,7 +54,7 @@ def worker(conn, backend: str) -> None:
             phases["weight_sync_diff"] = batch.weight_sync.max_abs_diff
         tokens = int(batch.completion_lengths.sum())
         conn.send(("step", seconds, result.report.reward_mean, tokens, phases))
-    conn.send(("done", peak_rss_mib()))
+    conn.send(("done", peak_rss_mib(), None))
 
 
 def probe_cost(engine, seed: int) -> dict[str, float]:
@@ -73,7 +73,7 @@ def probe_cost(engine, seed: int) -> dict[str, float]:
         seed=seed,
     )
     times = {}
-    order = [None, engine._probe] if seed % 2 else [engine._probe, None]
+    order = [None, engine.sampling.probe] if seed % 2 else [engine.sampling.probe, None]
     for probe in order:
         started = time.perf_counter()
         engine.vllm.sample(prompts, probe=probe, **settings)

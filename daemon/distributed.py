@@ -17,16 +17,16 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from grpod.daemon.errors import ConfigError
-from grpod.engine import StepReport, TransportBatch
+from grpod.engine import TransportBatch
+from grpod.engine.report import RankReport
 from grpod.engine.step import StepResult
 
 T = TypeVar("T")
-RANK_FIELDS = ("valid_tokens", "expected_valid_tokens", "local_loss", "num_micros", "num_samples")
 
 
 def world_size() -> int:
@@ -113,12 +113,13 @@ def agree_stop(requested: bool) -> bool:
     return bool(distributed.all_reduce_max(int(requested)))
 
 
-def gather_step(result: StepResult) -> tuple[TransportBatch, StepReport] | None:
-    """On rank 0: the step's global batch and the report to record; None on other ranks.
-    Under torchrun with `parallel = "none"` every rank trains its own replica: rank 0 records
-    its own step, with nothing gathered."""
+def gather_step(result: StepResult) -> StepResult | None:
+    """On rank 0: the step to record (the global batch, rank 0's report with every rank's
+    `RankReport`; verdict, outcome and phases as decided); None on other ranks. Under
+    torchrun with `parallel = "none"` every rank trains its own replica: rank 0 records its
+    own step, with nothing gathered."""
     if world_size() == 1 or result.report.world_size == 1:
-        return (result.batch, result.report) if rank() == 0 else None
+        return result if rank() == 0 else None
     import torch.distributed as dist
 
     mine = (result.batch, result.report, dict(result.phase_seconds))
@@ -134,14 +135,6 @@ def gather_step(result: StepResult) -> tuple[TransportBatch, StepReport] | None:
     recorded = replace(
         result.report,
         micro_order=order,
-        rank_reports=[
-            {
-                "rank": r.rank,
-                **{k: getattr(r, k) for k in RANK_FIELDS},
-                "phase_seconds": phases,
-                "chunk_trace": [asdict(c) for c in r.chunk_trace],
-            }
-            for _, r, phases in items
-        ],
+        rank_reports=[RankReport.of(r, phases) for _, r, phases in items],
     )
-    return joined, recorded
+    return replace(result, batch=joined, report=recorded)

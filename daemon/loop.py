@@ -281,23 +281,26 @@ class Daemon:
             result = self._unscored_step(exc)
         self.signals.abortable = False
 
-        report, verdict, outcome = result.report, result.verdict, result.outcome
-        rerun = report.step <= self.last_recorded
-        phases = dict(result.phase_seconds)
-        engine_phases = dict(phases)
+        rerun = result.step <= self.last_recorded
         # every rank's own numbers before the gather: once rank 0's grpod_step moves, a
         # scrape never sees a rank's a step behind
-        self.rank_metrics.observe(report, engine_phases)
+        self.rank_metrics.observe(result)
         started = time.perf_counter()
-        step = distributed.gather_step(result)  # rank 0: every rank's batch and report
-        if step is not None:
-            self.recorder.record(*step, verdict, outcome, rerun=rerun)
-        phases["record"] = time.perf_counter() - started
-
+        recorded = distributed.gather_step(result)  # rank 0: every rank's batch and report
+        if recorded is not None:
+            self.recorder.record(recorded, rerun=rerun)
+        record_seconds = time.perf_counter() - started
+        result = dataclasses.replace(
+            result, phase_seconds={**result.phase_seconds, "record": record_seconds}
+        )
         if self.metrics is not None:
-            self.metrics.observe_step(
-                report, verdict, outcome, phases, policy.gradnorm_vtc_correlation
-            )
+            self.metrics.observe_step(result, policy.gradnorm_vtc_correlation)
+        report, verdict, outcome, phases = (
+            result.report,
+            result.verdict,
+            result.outcome,
+            result.phase_seconds,
+        )
         self._observe_recorder(self.recorder.queue_depth)
         self.last_verdict = _verdict_text(verdict)
         self.last_step = report.step

@@ -22,26 +22,16 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
-from grpod.engine.report import StepReport
-from grpod.engine.verdict import Outcome, Verdict
+from grpod.engine.verdict import Outcome
 
-PHASES = (
-    "sync",
-    "sync_check",
-    "rollout",
-    "score",
-    "grad",
-    "optim",
-    "guards",
-    "record",
-    "checkpoint",
-    "eval",
-)
+if TYPE_CHECKING:  # engine.step imports the Engine (torch): a type here, not an import
+    from grpod.engine.step import StepResult
+
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # gauge name -> StepReport field (None in the report -> NaN on the gauge)
@@ -229,14 +219,13 @@ class Metrics(_Labelled):
 
     def observe_step(
         self,
-        report: StepReport,
-        verdict: Verdict,
-        outcome: Outcome,
-        phase_seconds: dict[str, float],
+        result: StepResult,
         gradnorm_vtc_correlation: float | None = None,
         now: float | None = None,
     ) -> None:
-        """Publish one finished step (a `StepResult`'s report, verdict and outcome)."""
+        """Publish one finished step: its report, verdict, outcome and phase seconds."""
+        report, verdict, outcome = result.report, result.verdict, result.outcome
+        phase_seconds = result.phase_seconds
         for field, g in self.report_gauges.items():
             g.set(_number(getattr(report, field)))
         self._child(self.clip_fraction, "low").set(_number(report.clip_fraction_low))
@@ -352,13 +341,12 @@ class RankMetrics(_Labelled):
             "phase_duration_seconds", "The rank's last step, by phase", ("phase",)
         )
 
-    def observe(
-        self, report: StepReport, phases: dict[str, float], now: float | None = None
-    ) -> None:
-        """This rank's report of a finished step and its engine's phase seconds."""
+    def observe(self, result: StepResult, now: float | None = None) -> None:
+        """This rank's own finished step (before any gather): its counts and phase seconds."""
+        report = result.report
         self.valid_tokens.set(report.valid_tokens)
         self.expected_valid_tokens.set(report.expected_valid_tokens)
-        for phase, seconds in phases.items():
+        for phase, seconds in result.phase_seconds.items():
             self._child(self.phase_seconds, self.rank, phase).set(seconds)
         self.step.set(report.step)
         self.last_step_timestamp.set(time.time() if now is None else now)

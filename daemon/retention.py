@@ -1,5 +1,5 @@
 """The daemon's own retention: after every checkpoint, prune to `[forensics] keep_checkpoints`
-and `retention_bytes` (forensics/prune.py), say what went in a metric and a log line, and
+and `retention_bytes` (forensics/retention.py), say what went in a metric and a log line, and
 store a checkpoint file that did not change since the previous checkpoint as a hard link.
 
 Over budget is judged at the run dir's peak, right after a checkpoint is written and before
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from grpod.forensics.config import ForensicsConfig
-from grpod.forensics.prune import GcReport, link_unchanged, prune
 from grpod.forensics.recorder import FlightRecorder
+from grpod.forensics.retention import GcReport, link_unchanged, prune
 
 
 class Retention:

@@ -32,3 +32,10 @@ class ValidTokenCounter:
     @property
     def value(self) -> int:
         return int(self._count)
+
+
+def token_scale(global_valid_tokens: int) -> float:
+    """The step's one divisor of the loss and the gradients: 1 / the global valid-token count
+    (every micro, every chunk, every rank of the step), never one micro's or one rank's
+    count. A step with no trainable token has nothing to scale (1)."""
+    return 1.0 / max(global_valid_tokens, 1)

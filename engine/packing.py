@@ -25,6 +25,27 @@ class Sample:
     group: int
 
 
+def group_samples(
+    prompt_ids: list[list[int]],
+    completions: list[list[int]],
+    advantages: list[float],
+    sampler_logprobs: list[list[float]],
+    group_size: int,
+    first_group: int,
+) -> list[Sample]:
+    """`group_size` completions per prompt, in order, as samples of groups `first_group`..."""
+    return [
+        Sample(
+            tokens=prompt_ids[i // group_size] + ids,
+            prompt_len=len(prompt_ids[i // group_size]),
+            advantage=advantage,
+            sampler_logprobs=sampler_logprobs[i],
+            group=first_group + i // group_size,
+        )
+        for i, (ids, advantage) in enumerate(zip(completions, advantages))
+    ]
+
+
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """Sample indices per row: longest first, each into the first row it fits."""
     rows: list[list[int]] = []

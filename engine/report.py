@@ -31,6 +31,41 @@ class KVCacheReport:
     fill: float  # mean fraction of slots in use
 
 
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's part of a distributed step, as rank 0 records it (daemon/distributed.py)."""
+
+    rank: int
+    valid_tokens: int  # the rank's local count
+    expected_valid_tokens: int
+    local_loss: float | None  # the rank's loss sum / the step's global valid tokens
+    num_micros: int
+    num_samples: int
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    chunk_trace: list[ChunkTrace] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, report: StepReport, phase_seconds: dict[str, float]) -> RankReport:
+        """The rank's numbers from its own `StepReport` and its step's phase seconds."""
+        return cls(
+            rank=report.rank,
+            valid_tokens=report.valid_tokens,
+            expected_valid_tokens=report.expected_valid_tokens,
+            local_loss=report.local_loss,
+            num_micros=report.num_micros,
+            num_samples=report.num_samples,
+            phase_seconds=dict(phase_seconds),
+            chunk_trace=list(report.chunk_trace),
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankReport:
+        return cls(
+            **{k: from_json(v) for k, v in data.items() if k != "chunk_trace"},
+            chunk_trace=[ChunkTrace(**c) for c in data.get("chunk_trace", [])],
+        )
+
+
 @dataclass
 class StepReport:
     step: int
@@ -71,7 +106,7 @@ class StepReport:
     global_valid_tokens: int | None = None  # Σ over ranks of valid_tokens: the loss divisor
     rank_expected_valid_tokens: list[int] = field(default_factory=list)  # all-gathered
     local_loss: float | None = None  # this rank's loss sum / global_valid_tokens
-    rank_reports: list[dict] = field(default_factory=list)  # recorded: every rank's scalars
+    rank_reports: list[RankReport] = field(default_factory=list)  # recorded: every rank's
     # the weights the rollout sampled with (engine/weight_sync.py; from the batch)
     weight_version: int | None = None
     weight_sync_max_abs_logprob_diff: float | None = None  # nats; None: no separate sampler
@@ -117,4 +152,5 @@ class StepReport:
         kwargs["chunk_trace"] = [ChunkTrace(**c) for c in data.get("chunk_trace", [])]
         if data.get("kv_cache") is not None:
             kwargs["kv_cache"] = KVCacheReport(**kwargs["kv_cache"])
+        kwargs["rank_reports"] = [RankReport.from_dict(r) for r in data.get("rank_reports", [])]
         return cls(**kwargs)

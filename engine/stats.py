@@ -1,8 +1,11 @@
-"""Per-step statistics gathered while a step accumulates, folded into its `StepReport`."""
+"""Per-step statistics gathered while a step accumulates, and the one function that builds
+the step's `StepReport` from them (`build_report`; a skipped step's: `skipped_report`)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,6 +27,7 @@ class StepStats:
         self.kl_sum: torch.Tensor | None = None
         self.entropy_sum: torch.Tensor | None = None  # policy entropy over trainable tokens
         self.entropy_tokens = 0
+        self.valid_tokens = 0  # the counter's step total, once the passes ran
 
     def add_chunk(self, micro, chunk, tokens, loss, counter, token_loss) -> None:
         self.trace.append((micro, chunk, tokens, loss.detach(), counter._count))
@@ -48,65 +52,119 @@ class StepStats:
         if sampler is not None:
             self.sampler_lp.append(sampler)
 
-    def report(
-        self,
-        batch: TransportBatch,
-        *,
-        valid_tokens: int,
-        token_scale: float,
-        grad_norm: float,
-        max_grad_norm: float,
-        lr: float,
-    ) -> StepReport:
-        loss_sums = [float(x) for x in self.micro_loss_sums]
-        rewards = batch.rewards
-        group_size = max(
-            1, batch.num_samples // max(1, int(batch.sample_group_ids.unique().numel()))
-        )
-        _, zero_std = group_advantages(rewards, group_size) if batch.num_samples else (None, 0.0)
-        mismatch = _mismatch(self.trainer_lp, self.sampler_lp)
-        tokens = max(int(self.tokens), 1)
-        lengths = batch.completion_lengths.float()
-        return StepReport(
-            step=batch.step,
-            valid_tokens=valid_tokens,
-            expected_valid_tokens=batch.expected_valid_tokens(),
-            loss=sum(loss_sums) * token_scale,
-            micro_losses=[x * token_scale for x in loss_sums],
-            grad_norm=grad_norm,
-            clip_coef=min(1.0, max_grad_norm / (grad_norm + 1e-6))
-            if grad_norm == grad_norm
-            else 0.0,
-            lr=lr,
-            reward_mean=float(rewards.mean()) if batch.num_samples else 0.0,
-            reward_std=float(rewards.std(correction=0)) if batch.num_samples else 0.0,
-            zero_std_group_fraction=zero_std,
-            advantage_abs_max=float(batch.advantages.abs().max())
-            if batch.advantages.numel()
-            else 0.0,
-            kl=None if self.kl_sum is None else float(self.kl_sum) / tokens,
-            entropy=None
-            if self.entropy_sum is None
-            else float(self.entropy_sum) / self.entropy_tokens,
-            clip_fraction_low=float(self.clipped_low) / tokens,
-            clip_fraction_high=float(self.clipped_high) / tokens,
-            completion_length_mean=float(lengths.mean()) if lengths.numel() else 0.0,
-            completion_length_max=int(lengths.max()) if lengths.numel() else 0,
-            num_micros=batch.num_micros,
-            num_samples=batch.num_samples,
-            micro_order=list(batch.micro_order or range(batch.num_micros)),
-            chunk_trace=[
-                ChunkTrace(m, c, int(n), float(loss), int(after))
-                for m, c, n, loss, after in self.trace
-            ],
-            kv_cache=_kv_cache(batch),
-            reward_functions=reward_stats(batch.function_rewards),
-            weight_version=batch.weight_version,
-            weight_sync_max_abs_logprob_diff=None
-            if batch.weight_sync is None
-            else batch.weight_sync.max_abs_diff,
-            **mismatch,
-        )
+    @property
+    def loss_sum(self) -> float:
+        """This rank's loss sum over every micro (not yet divided by any count)."""
+        return sum(float(x) for x in self.micro_loss_sums)
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """What a step measured once its passes ran: the counts and the gradient's scale and norm.
+
+    `ranks`: every rank's `[valid tokens, expected valid tokens, loss sum]` (one row in one
+    process); `global_valid_tokens`: the loss divisor (their sum, or a replay's recorded one).
+    """
+
+    rank: int
+    world_size: int
+    ranks: list[list[float]]
+    global_valid_tokens: int
+    token_scale: float  # 1 / global_valid_tokens (engine/accounting.py `token_scale`)
+    grad_norm: float  # global FP32 norm of the scaled gradients, before clipping
+    max_grad_norm: float
+    lr: float
+
+
+def build_report(batch: TransportBatch, stats: StepStats, totals: StepTotals) -> StepReport:
+    """The step's `StepReport`, built once from the batch as run, what its passes gathered
+    (`stats`) and what the step measured after them (`totals`)."""
+    loss_sums = [float(x) for x in stats.micro_loss_sums]
+    scale, grad_norm = totals.token_scale, totals.grad_norm
+    return StepReport(
+        step=batch.step,
+        valid_tokens=stats.valid_tokens,
+        expected_valid_tokens=batch.expected_valid_tokens(),
+        loss=sum(r[2] for r in totals.ranks) * scale,
+        micro_losses=[x * scale for x in loss_sums],
+        grad_norm=grad_norm,
+        clip_coef=min(1.0, totals.max_grad_norm / (grad_norm + 1e-6))
+        if grad_norm == grad_norm
+        else 0.0,
+        lr=totals.lr,
+        rank=totals.rank,
+        world_size=totals.world_size,
+        global_valid_tokens=totals.global_valid_tokens,
+        rank_expected_valid_tokens=[int(r[1]) for r in totals.ranks],
+        local_loss=sum(loss_sums) * scale,
+        micro_order=list(batch.micro_order or range(batch.num_micros)),
+        chunk_trace=[
+            ChunkTrace(m, c, int(n), float(loss), int(after))
+            for m, c, n, loss, after in stats.trace
+        ],
+        **_token_stats(stats),
+        **_batch_stats(batch),
+    )
+
+
+def skipped_report(batch: TransportBatch, *, rank: int, world_size: int, lr: float) -> StepReport:
+    """The report of a step flushed without its compute (a guard's skip-fast)."""
+    return StepReport(
+        step=batch.step,
+        valid_tokens=0,
+        expected_valid_tokens=batch.expected_valid_tokens(),
+        loss=0.0,
+        micro_losses=[],
+        grad_norm=0.0,
+        clip_coef=1.0,
+        lr=lr,
+        rank=rank,
+        world_size=world_size,
+        skipped_compute=True,
+        micro_order=list(range(batch.num_micros)),
+        **_token_stats(StepStats()),
+        **_batch_stats(batch),
+    )
+
+
+def _token_stats(stats: StepStats) -> dict[str, Any]:
+    """KL, entropy, clip fractions and sampler mismatch over the step's trainable tokens."""
+    tokens = max(int(stats.tokens), 1)
+    return {
+        "kl": None if stats.kl_sum is None else float(stats.kl_sum) / tokens,
+        "entropy": None
+        if stats.entropy_sum is None
+        else float(stats.entropy_sum) / stats.entropy_tokens,
+        "clip_fraction_low": float(stats.clipped_low) / tokens,
+        "clip_fraction_high": float(stats.clipped_high) / tokens,
+        **_mismatch(stats.trainer_lp, stats.sampler_lp),
+    }
+
+
+def _batch_stats(batch: TransportBatch) -> dict[str, Any]:
+    """What the report says of the batch itself: rewards, advantages, lengths, the rollout."""
+    rewards = batch.rewards
+    group_size = max(1, batch.num_samples // max(1, int(batch.sample_group_ids.unique().numel())))
+    _, zero_std = group_advantages(rewards, group_size) if batch.num_samples else (None, 0.0)
+    lengths = batch.completion_lengths.float()
+    return {
+        "reward_mean": float(rewards.mean()) if batch.num_samples else 0.0,
+        "reward_std": float(rewards.std(correction=0)) if batch.num_samples else 0.0,
+        "zero_std_group_fraction": zero_std,
+        "advantage_abs_max": float(batch.advantages.abs().max())
+        if batch.advantages.numel()
+        else 0.0,
+        "completion_length_mean": float(lengths.mean()) if lengths.numel() else 0.0,
+        "completion_length_max": int(lengths.max()) if lengths.numel() else 0,
+        "num_micros": batch.num_micros,
+        "num_samples": batch.num_samples,
+        "kv_cache": _kv_cache(batch),
+        "reward_functions": reward_stats(batch.function_rewards),
+        "weight_version": batch.weight_version,
+        "weight_sync_max_abs_logprob_diff": None
+        if batch.weight_sync is None
+        else batch.weight_sync.max_abs_diff,
+    }
 
 
 def _kv_cache(batch: TransportBatch) -> KVCacheReport | None:

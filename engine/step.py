@@ -88,9 +88,9 @@ def decide_step(
         outcome = Outcome.APPLIED
         started = time.perf_counter()
         found = policy.after_apply(engine.model)
-        if found:
-            verdict.findings.extend(found)
-            verdict.action = max(verdict.action, *(f.action for f in found))
+        if found:  # a new verdict with the weights' findings: the decided one stays as built
+            action = max(verdict.action, *(f.action for f in found))
+            verdict = Verdict(action, [*verdict.findings, *found])
         guards += time.perf_counter() - started
     return StepResult(run, report, verdict, outcome, _phases(engine, guards))
 

@@ -2,56 +2,42 @@
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
-import time
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from grpod.engine import distcp
-from grpod.engine.accounting import ValidTokenCounter
+from grpod.engine import distcp, state
+from grpod.engine.accounting import token_scale
 from grpod.engine.advantages import group_advantages
 from grpod.engine.batch import TransportBatch
+from grpod.engine.build import build_parts
 from grpod.engine.config import EngineConfig
 from grpod.engine.cursor import DataCursor
 from grpod.engine.errors import EngineError, RewardError
 from grpod.engine.faults import Faults
-from grpod.engine.flat import flatten_parameters
-from grpod.engine.fused import unsupported as decoder_unsupported
+from grpod.engine.forward_backward import ForwardBackward
 from grpod.engine.inputs import use_reward_path
-from grpod.engine.layout import (
-    TrunkLayout,
-    micro_layout,
-    run_trunk,
-    sequence_logprobs,
-    trunk_passes,
-)
-from grpod.engine.lora import apply_lora, reference_mode
-from grpod.engine.loss import LossSettings, policy_token_loss, token_logprobs_entropy
-from grpod.engine.model import load_policy, resolve_device
-from grpod.engine.packing import Sample, pack
-from grpod.engine.parallel import Parallel, local, total_norm
-from grpod.engine.prompts import cut_at_stop_strings, stop_token_ids, strip_stop_strings
+from grpod.engine.lora import reference_mode
+from grpod.engine.optim import apply_update, build_optimizer, build_schedule
+from grpod.engine.packing import group_samples, pack
+from grpod.engine.parallel import Parallel, total_norm
+from grpod.engine.phases import PhaseClock
 from grpod.engine.report import StepReport
-from grpod.engine.rewards import RewardSet
-from grpod.engine.rollout import Rollout, sample
-from grpod.engine.stats import StepStats
-from grpod.engine.tasks import build_task
-from grpod.engine.tokenizer import encode_prompt, require_chat_template
-from grpod.engine.weight_sync import ProbeScores, WeightSyncCheck, compare, probe_sequence
+from grpod.engine.rollout import Rollout
+from grpod.engine.sampling import Sampling
+from grpod.engine.stats import StepTotals, build_report, skipped_report
+from grpod.engine.tasks import Prompt
+from grpod.engine.tokenizer import encode_prompt
 
-if TYPE_CHECKING:  # imported on first use: vllm is an extra
+if TYPE_CHECKING:
     from grpod.engine.rollout_vllm import VLLMSampler
+    from grpod.engine.weight_sync import WeightSyncCheck
 
-# the engine's phases, in step order: the weight push into a separate sampler (or the
-# sharded run's rollout copy) and its check are their own phases, never part of "rollout"
-PHASES = ("sync", "sync_check", "rollout", "score", "grad", "optim")
+__all__ = ["Engine", "step_seed"]
 
 
 class Engine:
@@ -90,9 +76,13 @@ class Engine:
       `state_dict()` / `load_state_dict()` (torch.distributed.checkpoint's `Stateful`) carry
       the weights, AdamW state, schedule position and data cursor.
 
-    The machinery is one call away, each in its own module: sampling (rollout.py), packing
-    (packing.py), the trunk layout (layout.py), the chunked FP32 head and loss (loss.py), the
-    token counter (accounting.py), the drill fault hooks (faults.py).
+    The machinery is one call away, each in its own module: construction (build.py),
+    sampling and the weight sync (sampling.py over the torch sampler, rollout.py, or vLLM),
+    packing (packing.py), the forward/backward pass and chunk loop (forward_backward.py over
+    layout.py's trunk and loss.py's FP32 head and loss), the token counter and the step's
+    divisor (accounting.py), the report (stats.py), the optimizer and schedule (optim.py),
+    state and digest (state.py), the phase clock (phases.py), the drill fault hooks
+    (faults.py).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -103,80 +93,24 @@ class Engine:
         # drill hooks: identity unless [engine.faults] (and this rank is one of its ranks)
         self.faults = Faults(config.faults, self.parallel.rank)
         use_reward_path(config)  # the run's working directory, wherever this runs
-        self.task = build_task(
-            config.task,
-            config.reward,
-            config.long_prompt_batch_fraction,
-            config.kv_retrieval_records,
-            config.kv_retrieval_asked,
+        parts = build_parts(config, self.parallel)  # engine/build.py
+        self.task, self.rewards, self.device = parts.task, parts.rewards, parts.device
+        self.model, self.tokenizer, self.adapters = parts.model, parts.tokenizer, parts.adapters
+        self.rollout_model, self.reference = parts.rollout_model, parts.reference
+        self.params, self.flat_weights = parts.params, parts.flat_weights
+        self.kv_cache, self.stop_token_ids = parts.kv_cache, parts.stop_token_ids
+        self.optimizer = build_optimizer(self.params, config, self.device)
+        self.scheduler = build_schedule(self.optimizer, config)
+        self.forward_backward = ForwardBackward(
+            config, self.model, parts.train_trunk, self.parallel, self.faults, self.device
         )
-        self.device = resolve_device(self.parallel.device(config.device))
-        self.model, self.tokenizer = load_policy(config.model, self.task.chars, config.seq_len)
-        self.kv_cache = config.kv_cache_spec
-        if self.kv_cache is not None and decoder_unsupported(self.model) is not None:
-            raise EngineError(
-                f"model {config.model}: rollout_kv_cache {self.kv_cache.policy!r} needs the "
-                f"fused decoder, which does not cover it ({decoder_unsupported(self.model)})"
-            )
-        # LoRA: adapters injected in place, base frozen; `adapters` is the PEFT handle
-        self.adapters = (
-            apply_lora(self.model, config.lora, config.seed) if config.lora.rank else None
-        )
-        self.model.to(self.device)
-        require_chat_template(self.tokenizer, config.prompt_format)
-        self.rewards = RewardSet(
-            self.task, config.rewards, config.reward_weights, config.reward_timeout_seconds
-        )
-        self.stop_token_ids = stop_token_ids(self.tokenizer, self.model)
-        trained = copy.deepcopy(self.model) if self.parallel.sharded else self.model
-        # one storage for every parameter: the guards' weights check is then one reduction
-        self.flat_weights = flatten_parameters(self.model)
-        self.reference = (  # with LoRA the reference is the base: the adapters disabled
-            copy.deepcopy(self.model).requires_grad_(False)
-            if config.kl_beta > 0 and self.adapters is None
-            else None
-        )
-        # rollout and scoring run on this unsharded copy (engine/parallel.py): no collective
-        self.rollout_model = self.model
-        if self.parallel.sharded:
-            self.model = self.parallel.shard(trained, config.dtype)
-        # the module the training trunk runs through: DDP's wrapper, or the model itself
-        self.train_trunk = (
-            self.parallel.replicate(self.model, config.dtype)
-            if self.parallel.replicated
-            else self.model
-        )
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=config.lr,
-            betas=config.adam_betas,
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-            # one kernel per parameter instead of ~10 ops each (CPU and CUDA have it)
-            fused=self.device.type in ("cpu", "cuda") or None,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.counter = ValidTokenCounter(per_chunk_reset=self.faults.per_micro_accounting)
-        # the accounting fault runs chunks in reverse: the step then reads chunk 0 of the last micro
-        reverse = config.chunk_order == "reverse" or self.faults.per_micro_accounting
-        self.chunk_order = "reverse" if reverse else "forward"
-        self.loss_settings = LossSettings(
-            kind=config.loss,
-            eps_low=config.eps_low,
-            eps_high=config.eps_high,
-            logratio_clamp=config.logratio_clamp,
-            tis_cap=config.tis_cap,
-            kl_beta=config.kl_beta,
+        self.clock = PhaseClock()
+        self.sampling = Sampling(
+            config, parts, self.parallel, self.faults, self.clock, lambda: self.weight_version
         )
         self.config_digest = config.digest()
         self.cursor = DataCursor()
-        self.vllm: VLLMSampler | None = None  # built on first use: rollout_backend = "vllm"
-        self.weight_sync: WeightSyncCheck | None = None  # the last push's check (vllm)
-        self._probe: list[int] = []  # the weight-sync probe (engine/weight_sync.py)
         self._pending: StepReport | None = None
-        self._phases: dict[str, float] = {}  # this step's phase seconds so far
-        self._inner: list[float] = []  # seconds of phases timed inside the open ones
 
     @property
     def step(self) -> int:
@@ -198,6 +132,16 @@ class Engine:
         than step-accumulated; the reorder guard is on for such an engine."""
         return self.faults.per_micro_accounting
 
+    @property
+    def vllm(self) -> VLLMSampler | None:
+        """The vLLM sampler (rollout_backend = "vllm"; started by the first rollout)."""
+        return self.sampling.vllm
+
+    @property
+    def weight_sync(self) -> WeightSyncCheck | None:
+        """The last weight push's check (vLLM), or None."""
+        return self.sampling.weight_sync
+
     # ----------------------------------------------------------------- the GRPO step
     def rollout(self) -> TransportBatch:
         """Sample this step's completions, score them, and pack the `TransportBatch`."""
@@ -206,7 +150,7 @@ class Engine:
         cached = self.cursor.rollout_cache
         if cfg.epochs > 1 and cached is not None and cached.generation == generation:
             return replace(cached, step=step)  # same samples, same old logprobs: epoch > 1
-        with self._timed("rollout"):
+        with self.clock.timed("rollout"):
             prompts = self.task.prompts_for_step(generation, cfg.prompts_per_step, cfg.seed)
             prompts, first = self.parallel.local_groups(prompts)  # whole groups per rank
             prompt_ids = [self.encode_prompt(p.text) for p in prompts]
@@ -215,62 +159,20 @@ class Engine:
                 step_seed(cfg.seed, generation, self.parallel.rank),
                 step=step,
             )
-            lengths = out.mask.sum(-1).tolist()
-            failure: RewardError | None = None
-            try:
-                rewards, function_rewards = self.rewards.score(
-                    prompts, texts, cfg.group_size, first * cfg.group_size
-                )
-            except RewardError as exc:  # the samples are packed unscored (NaN) for its incident
-                rewards, function_rewards, failure = torch.full((len(texts),), math.nan), {}, exc
+            rewards, function_rewards, failure = self._score_rewards(prompts, texts, first)
             rewards = faults.rewards(step, rewards, cfg.group_size)
             advantages, _ = group_advantages(
                 rewards, cfg.group_size, cfg.scale_rewards, cfg.advantage_std
             )
             advantages = faults.advantages(step, advantages)
-            sampler_logprobs = faults.sampler_logprobs(
-                step, [row[:n] for row, n in zip(out.logprobs.tolist(), lengths)]
-            )
-            samples = [
-                Sample(
-                    tokens=prompt_ids[i // cfg.group_size] + ids,
-                    prompt_len=len(prompt_ids[i // cfg.group_size]),
-                    advantage=advantage,
-                    sampler_logprobs=sampler_logprobs[i],
-                    group=first + i // cfg.group_size,
-                )
-                for i, (ids, advantage) in enumerate(zip(completions, advantages.tolist()))
-            ]
-            batch = pack(
-                samples,
-                seq_len=cfg.seq_len,
-                micro_batch_rows=cfg.micro_batch_rows,
-                pack_rows=cfg.pack,
-                pad_token_id=self.tokenizer.pad_token_id,
-                rewards=rewards,
-                step=step,
-                config_digest=self.config_digest,
-                sequence_chunks=cfg.sequence_chunks,
-                generation=generation,
-                injected_faults=faults.injected(step),
-            )
-            # the rollout's bounded cache travels with the batch: the trainer masks by it
-            batch = replace(
-                batch,
-                kv_cache=self.kv_cache,
-                kv_cache_stats=out.cache_stats,
-                weight_version=self.weight_version,
-                weight_sync=self.weight_sync if self.vllm is not None else None,
-            )
+            batch = self._pack(out, prompt_ids, completions, rewards, advantages, first)
             if function_rewards:
                 batch = replace(batch, function_rewards=function_rewards)
-            if self.parallel.distributed:
-                batch = replace(batch, rank=self.parallel.rank, world_size=self.parallel.world_size)
             if failure is not None:
                 failure.batch = batch
                 raise failure
         if cfg.epochs > 1:  # one scoring pass per generation, reused by every epoch
-            with self._timed("score"):
+            with self.clock.timed("score"):
                 batch = replace(batch, old_logprobs=self.score(batch))
             self.cursor.rollout_cache = batch
         return batch
@@ -281,71 +183,48 @@ class Engine:
         """Forward + backward over every micro; grads scaled by the step's valid-token count
         (over every rank). `global_valid_tokens`: the recorded global count instead, for the
         replay of one rank's part of a distributed step in one process."""
-        if self._pending is not None:
-            raise EngineError(f"step {self._pending.step}: accumulate before apply or flush")
-        if self.loss_settings.tis_cap > 0 and batch.sampler_logprobs is None:
-            raise EngineError(
-                f"batch step {batch.step}: tis_cap is on but the batch has no sampler logprobs"
-            )
-        with self._timed("score"):
+        self._check_accumulate(batch)
+        with self.clock.timed("score"):
             reference = self._reference_logprobs(batch)  # kl_beta > 0
-        with self._timed("grad"):
-            stats = StepStats()
-            self.counter.start_step()
-            passes = list(trunk_passes(batch, joint=self.config.dtype == "float32"))
-            # FSDP's collectives run per pass: every rank runs as many (a short one adds zeros);
-            # DDP's one all-reduce runs at each rank's last pass
-            extra_passes = 0
-            if self.parallel.sharded:
-                extra_passes = self.parallel.max_int(len(passes)) - len(passes)
-            for i, (micros, layout) in enumerate(passes):
-                with self._grad_sync(i == len(passes) - 1):
-                    self._pass(batch, micros, layout, reference, stats)
-            for _ in range(extra_passes):
-                self._zero_pass(passes[0][1])
-            valid_tokens = self.counter.value
-            local_loss_sum = sum(float(x) for x in stats.micro_loss_sums)
+        with self.clock.timed("grad"):
+            stats = self.forward_backward.run(batch, reference)  # unscaled gradient sums
             # the one collective of the count: every rank's [valid, expected, loss sum]
             ranks = self.parallel.gather(
-                [valid_tokens, batch.expected_valid_tokens(), local_loss_sum]
+                [stats.valid_tokens, batch.expected_valid_tokens(), stats.loss_sum]
             )
             if global_valid_tokens is None:
                 global_valid_tokens = int(sum(r[0] for r in ranks))
-            # the global step total, never one micro's (nor one rank's) count
-            token_scale = 1.0 / max(global_valid_tokens, 1)
+            scale = token_scale(global_valid_tokens)  # the step total: never a micro's count
             grads = [p.grad for p in self.params if p.grad is not None]
-            torch._foreach_mul_(grads, token_scale)
+            torch._foreach_mul_(grads, scale)
             self.faults.grads(batch.step, grads)
             grad_norm = self.parallel.worst(total_norm(grads))  # DDP: the worst replica's
-        report = stats.report(
-            batch,
-            valid_tokens=valid_tokens,
-            token_scale=token_scale,
+        totals = StepTotals(
+            rank=self.parallel.rank,
+            world_size=self.parallel.world_size,
+            ranks=ranks,
+            global_valid_tokens=global_valid_tokens,
+            token_scale=scale,
             grad_norm=grad_norm,
             max_grad_norm=self.config.max_grad_norm,
             lr=self.optimizer.param_groups[0]["lr"],
         )
-        report.rank, report.world_size = self.parallel.rank, self.parallel.world_size
-        report.global_valid_tokens = global_valid_tokens
-        report.rank_expected_valid_tokens = [int(r[1]) for r in ranks]
-        report.local_loss = report.loss
-        report.loss = sum(r[2] for r in ranks) * token_scale
-        self._pending = report
-        return report
+        self._pending = build_report(batch, stats, totals)
+        return self._pending
 
     def apply(self) -> StepReport:
         """Clip with the pre-clip norm, take the AdamW step, advance the LR schedule."""
         report = self._take_pending()
-        with self._timed("optim"):
-            if report.clip_coef < 1.0:
-                torch.nn.utils.clip_grads_with_norm_(
-                    self.params,
-                    self.config.max_grad_norm,
-                    torch.tensor(report.grad_norm, device=self.device),
-                )
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        with self.clock.timed("optim"):
+            apply_update(
+                self.params,
+                self.optimizer,
+                self.scheduler,
+                grad_norm=report.grad_norm,
+                max_grad_norm=self.config.max_grad_norm,
+                clip_coef=report.clip_coef,
+                device=self.device,
+            )
         return report
 
     def flush(self) -> StepReport:
@@ -358,91 +237,113 @@ class Engine:
         """Flush a step without computing it (a guard's skip-fast); the cursor advances."""
         if self._pending is not None:
             raise EngineError(f"step {self._pending.step}: skip before apply or flush")
-        report = StepStats().report(
+        self.step = batch.step + 1
+        return skipped_report(
             batch,
-            valid_tokens=0,
-            token_scale=0.0,
-            grad_norm=0.0,
-            max_grad_norm=1.0,
+            rank=self.parallel.rank,
+            world_size=self.parallel.world_size,
             lr=self.optimizer.param_groups[0]["lr"],
         )
-        report.skipped_compute = True
-        report.rank, report.world_size = self.parallel.rank, self.parallel.world_size
-        report.micro_order = list(range(batch.num_micros))
-        self.step = batch.step + 1
-        return report
 
-    # ----------------------------------------------------------------- machinery
-    def _chunk_losses(
+    # ----------------------------------------------------------------- one call away
+    def generate(
         self,
-        batch: TransportBatch,
-        micro: int,
-        hidden: torch.Tensor,
-        source: torch.Tensor,
-        reference: torch.Tensor | None,
-        stats: StepStats,
-    ) -> torch.Tensor:
-        """The micro's loss sum from trunk states: `hidden[source[p]]` is micro position p."""
-        targets = batch.input_ids[micro].reshape(-1).to(self.device)
-        mask = batch.loss_mask[micro].reshape(-1)  # [rows * seq], target-aligned
-        token_index = mask.nonzero().squeeze(-1)  # trainable positions, sorted
-        bounds = _chunk_bounds(mask.numel(), batch.sequence_chunks)
-        cuts = torch.searchsorted(token_index, torch.tensor(bounds)).tolist()
-        head = self.model.get_output_embeddings().weight
-        chunks = range(batch.sequence_chunks)
-        # the sampler is checked once per generation (its first epoch), against the old
-        # logprobs the ratio uses: after an update the policy has moved on purpose
-        first_epoch = batch.generation * self.config.epochs == batch.step
-        if self.chunk_order == "reverse":
-            chunks = reversed(chunks)
-        micro_loss = hidden.new_zeros((), dtype=torch.float32)
-        for c in chunks:
-            self.counter.start_chunk()
-            chunk_tokens = self.counter.add(mask[bounds[c] : bounds[c + 1]])
-            index = token_index[cuts[c] : cuts[c + 1]]
-            logprobs, entropy = self._logprobs(hidden, source, head, targets, index, entropy=True)
-            old = logprobs.detach()
-            if batch.old_logprobs is not None:
-                old = self._gather(batch.old_logprobs, micro, index)
-            sampler = None
-            if batch.sampler_logprobs is not None:
-                sampler = self._gather(batch.sampler_logprobs, micro, index)
-            token_loss = policy_token_loss(
-                logprobs,
-                old,
-                self._gather(batch.advantages, micro, index),
-                self.loss_settings,
-                sampler_logprobs=sampler,
-                ref_logprobs=None if reference is None else self._gather(reference, micro, index),
-            )
-            chunk_loss = token_loss.loss.sum()
-            micro_loss = micro_loss + chunk_loss
-            stats.add_chunk(micro, c, chunk_tokens, chunk_loss, self.counter, token_loss)
-            stats.add_logprobs(old, sampler if first_epoch else None, entropy)
-        return micro_loss
-
-    def _logprobs(
-        self,
-        hidden: torch.Tensor,
-        source: torch.Tensor,
-        head: torch.Tensor,
-        targets: torch.Tensor,
-        index: torch.Tensor,
+        prompts: list[list[int]],
+        seed: int,
+        temperature: float | None = None,
         *,
-        entropy: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """FP32 logprobs `[len(index)]` of a micro's tokens at flat positions `index` (host),
-        from trunk states `hidden[source[p]]` and the head weight; `targets: [rows * seq]`;
-        and (`entropy`) the policy's detached per-token entropy from the same logits."""
-        on_device = index.to(self.device)
-        return token_logprobs_entropy(
-            hidden[source[on_device - 1]],  # token p is scored by the logits at p-1
-            head,
-            targets[on_device],
-            chunks=self.config.lmhead_chunks,
-            temperature=self.config.temperature,
-            entropy=entropy,
+        step: int | None = None,
+    ) -> tuple[Rollout, list[list[int]], list[str]]:
+        """One completion per prompt: the rollout, each completion's ids and the text its
+        rewards see (engine/sampling.py); `step`: its training step, None for an eval."""
+        return self.sampling.generate(prompts, seed, temperature, step=step)
+
+    def score(self, batch: TransportBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """FP32 logprobs `[micros, rows, seq]` of every trainable token (0 elsewhere), by the
+        unsharded rollout copy (no collective per micro) unless `model` is given."""
+        return self.forward_backward.score(batch, model or self.rollout_model)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids as fed to the policy (`prompt_format`), as preflight checks them."""
+        cfg = self.config
+        return encode_prompt(
+            self.tokenizer, text, f"task {self.task.name}", cfg.prompt_format, cfg.system_prompt
         )
+
+    def take_phase_seconds(self) -> dict[str, float]:
+        """Wall-clock seconds of the phases run since the last take: sync, sync_check,
+        rollout, score, grad, optim (0 for a phase that did not run); the clock restarts."""
+        return self.clock.take()
+
+    def _score_rewards(
+        self, prompts: list[Prompt], texts: list[str], first_group: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], RewardError | None]:
+        """`(rewards [samples], per-function rewards, failure)`: a failed reward leaves the
+        samples unscored (NaN), packed for its incident."""
+        group_size = self.config.group_size
+        try:
+            rewards, functions = self.rewards.score(
+                prompts, texts, group_size, first_group * group_size
+            )
+        except RewardError as exc:
+            return torch.full((len(texts),), math.nan), {}, exc
+        return rewards, functions, None
+
+    def _pack(
+        self,
+        out: Rollout,
+        prompt_ids: list[list[int]],
+        completions: list[list[int]],
+        rewards: torch.Tensor,
+        advantages: torch.Tensor,
+        first_group: int,
+    ) -> TransportBatch:
+        """The step's samples packed into its `TransportBatch` (engine/packing.py)."""
+        cfg, step = self.config, self.step
+        lengths = out.mask.sum(-1).tolist()
+        sampler_logprobs = self.faults.sampler_logprobs(
+            step, [row[:n] for row, n in zip(out.logprobs.tolist(), lengths)]
+        )
+        samples = group_samples(
+            prompt_ids,
+            completions,
+            advantages.tolist(),
+            sampler_logprobs,
+            cfg.group_size,
+            first_group,
+        )
+        batch = pack(
+            samples,
+            seq_len=cfg.seq_len,
+            micro_batch_rows=cfg.micro_batch_rows,
+            pack_rows=cfg.pack,
+            pad_token_id=self.tokenizer.pad_token_id,
+            rewards=rewards,
+            step=step,
+            config_digest=self.config_digest,
+            sequence_chunks=cfg.sequence_chunks,
+            generation=step // cfg.epochs,
+            injected_faults=self.faults.injected(step),
+        )
+        # the rollout's bounded cache travels with the batch: the trainer masks by it
+        batch = replace(
+            batch,
+            kv_cache=self.kv_cache,
+            kv_cache_stats=out.cache_stats,
+            weight_version=self.weight_version,
+            weight_sync=self.weight_sync if self.vllm is not None else None,
+        )
+        if self.parallel.distributed:
+            batch = replace(batch, rank=self.parallel.rank, world_size=self.parallel.world_size)
+        return batch
+
+    def _check_accumulate(self, batch: TransportBatch) -> None:
+        if self._pending is not None:
+            raise EngineError(f"step {self._pending.step}: accumulate before apply or flush")
+        if self.forward_backward.loss_settings.tis_cap > 0 and batch.sampler_logprobs is None:
+            raise EngineError(
+                f"batch step {batch.step}: tis_cap is on but the batch has no sampler logprobs"
+            )
 
     def _reference_logprobs(self, batch: TransportBatch) -> torch.Tensor | None:
         """The KL reference's logprobs: the frozen copy, or the base with adapters off."""
@@ -453,174 +354,6 @@ class Engine:
                 return self.score(batch)
         return self.score(batch, self.reference)
 
-    def _pass(
-        self,
-        batch: TransportBatch,
-        micros: list[int],
-        layout: TrunkLayout,
-        reference: torch.Tensor | None,
-        stats: StepStats,
-    ) -> None:
-        """One trunk forward over `micros`, their chunked losses, one backward."""
-        hidden, source = run_trunk(self.train_trunk, layout, self.config.dtype, self.device)
-        per_micro = source.numel() // len(micros)
-        pass_loss = hidden.new_zeros((), dtype=torch.float32)
-        for k, micro in enumerate(micros):
-            micro_source = source[k * per_micro : (k + 1) * per_micro]
-            micro_loss = self._chunk_losses(batch, micro, hidden, micro_source, reference, stats)
-            micro_loss = self.faults.micro_loss(batch.step, micro, micro_loss)
-            stats.micro_loss_sums.append(micro_loss.detach())
-            pass_loss = pass_loss + micro_loss
-        pass_loss.backward()
-
-    def _grad_sync(self, last: bool) -> AbstractContextManager:
-        """DDP: gradients accumulate locally until the rank's last pass, which all-reduces."""
-        if last or not self.parallel.replicated:
-            return nullcontext()
-        return self.train_trunk.no_sync()
-
-    def _zero_pass(self, layout: TrunkLayout) -> None:
-        """A forward + backward that adds exact zeros to every gradient the real passes touch:
-        it keeps a rank with fewer trunk passes in step with FSDP's per-pass collectives."""
-        hidden, _ = run_trunk(self.model, layout, self.config.dtype, self.device)
-        head = self.model.get_output_embeddings().weight
-        ((hidden[:1].float() @ head.float().T).sum() * 0.0).backward()
-
-    def _gather(self, tensor: torch.Tensor, micro: int, index: torch.Tensor) -> torch.Tensor:
-        """Host tensor `[micros, rows, seq]` -> the micro's values at flat `index`, on device."""
-        return tensor[micro].reshape(-1)[index].to(self.device, non_blocking=True)
-
-    def _trunk(
-        self, model: torch.nn.Module, batch: TransportBatch, micro: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Trunk states `[positions run + 1, H]` (last row zeros) and `source: [rows * seq]`.
-
-        The micro runs in its `trunk_layout`: each distinct prompt once, completions without
-        their unread last token (engine/layout.py); `hidden[source[p]]` is micro position p.
-        """
-        return run_trunk(model, micro_layout(batch, [micro]), self.config.dtype, self.device)
-
-    @torch.no_grad()
-    def score(self, batch: TransportBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
-        """FP32 logprobs `[micros, rows, seq]` of every trainable token (0 elsewhere)."""
-        model = model or self.rollout_model  # unsharded: no collective per micro
-        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
-        head = model.get_output_embeddings().weight
-        for micro in range(batch.num_micros):
-            hidden, source = self._trunk(model, batch, micro)
-            targets = batch.input_ids[micro].reshape(-1).to(self.device)
-            index = batch.loss_mask[micro].reshape(-1).nonzero().squeeze(-1)
-            logprobs, _ = self._logprobs(hidden, source, head, targets, index)
-            out[micro].view(-1)[index] = logprobs.cpu()
-        return out
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        seed: int,
-        temperature: float | None = None,
-        *,
-        step: int | None = None,
-    ) -> tuple[Rollout, list[list[int]], list[str]]:
-        """Sample one completion per prompt: the rollout (ended at a stop token or string),
-        each completion's ids and the text its rewards see (before any stop string).
-        `step`: the training step this rollout is for (its drill faults); None for an eval."""
-        if self.parallel.sharded:  # the rollout copy takes the shards' current weights
-            with self._timed("sync"):
-                self.parallel.sync_rollout_copy(self.model, self.rollout_model)
-        if self.config.rollout_backend == "vllm":
-            self._push_to_sampler(step)
-        out = cut_at_stop_strings(
-            self._sample(prompts, seed, temperature), self.tokenizer, self.config.stop
-        )
-        lengths = out.mask.sum(-1).tolist()
-        completions = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
-        texts = [
-            strip_stop_strings(self.tokenizer.decode(ids), self.config.stop) for ids in completions
-        ]
-        return out, completions, texts
-
-    def _sample(self, prompts: list[list[int]], seed: int, temperature: float | None) -> Rollout:
-        """Completions from the configured backend: the torch sampler, or vLLM (whose call
-        also scores the weight-sync probe; its check is the `sync_check` phase)."""
-        cfg = self.config
-        settings = dict(
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature if temperature is None else temperature,
-            top_p=cfg.top_p,
-            eos_token_id=self.stop_token_ids,
-            pad_token_id=self.tokenizer.pad_token_id,
-        )
-        if self.vllm is not None:  # pushed by `_push_to_sampler`
-            rollout, scores = self.vllm.sample(prompts, seed=seed, probe=self._probe, **settings)
-            self.weight_sync = self._check_sampler(scores)
-            return rollout
-        generator = torch.Generator(self.device).manual_seed(seed)
-        return sample(
-            self.rollout_model,
-            prompts,
-            generator=generator,
-            dtype=cfg.dtype,
-            decoder=cfg.rollout_decoder,
-            kv_cache=self.kv_cache,
-            **settings,
-        )
-
-    def _push_to_sampler(self, step: int | None) -> None:
-        """Push the rollout model's weights into vLLM (started on first use); its rollout
-        then scores the weight-sync probe (engine/weight_sync.py)."""
-        if self.vllm is None:
-            from grpod.engine.rollout_vllm import VLLMSampler
-
-            cfg = self.config
-            vocab = min(self.tokenizer.vocab_size, self.model.get_input_embeddings().num_embeddings)
-            self.vllm = VLLMSampler(self.rollout_model, cfg, cfg.weight_sync_probe_tokens)
-            self._probe = probe_sequence(self.vllm.probe_tokens, vocab)
-        with self._timed("sync"):
-            self.vllm.push(self.rollout_model, self.faults.push(step))
-
-    def _check_sampler(self, scores: ProbeScores) -> WeightSyncCheck:
-        """vLLM's logprobs of the probe (and its continuation) against the trainer's."""
-        with self._timed("sync_check"):
-            trainer = sequence_logprobs(
-                self.rollout_model,
-                self._probe + scores.continuation,
-                self.config.dtype,
-                self.device,
-            )
-            return compare(
-                self._probe, scores, trainer, version=self.weight_version, dtype=self.config.dtype
-            )
-
-    def encode_prompt(self, text: str) -> list[int]:
-        """A prompt's ids as fed to the policy (`prompt_format`), as preflight checks them."""
-        cfg = self.config
-        return encode_prompt(
-            self.tokenizer, text, f"task {self.task.name}", cfg.prompt_format, cfg.system_prompt
-        )
-
-    def take_phase_seconds(self) -> dict[str, float]:
-        """Wall-clock seconds of the phases run since the last take: rollout, score, grad,
-        optim (0 for a phase that did not run); the clock starts again from zero."""
-        phases = {name: self._phases.get(name, 0.0) for name in PHASES}
-        self._phases = {}
-        return phases
-
-    @contextmanager
-    def _timed(self, phase: str) -> Iterator[None]:
-        """Time `phase`; a phase timed inside another is taken out of the outer one's
-        seconds (the weight sync inside a rollout), so the phases add up to the step."""
-        started = time.perf_counter()
-        self._inner.append(0.0)
-        try:
-            yield
-        finally:
-            spent = time.perf_counter() - started
-            inner = self._inner.pop()
-            self._phases[phase] = self._phases.get(phase, 0.0) + spent - inner
-            if self._inner:
-                self._inner[-1] += spent
-
     def _take_pending(self) -> StepReport:
         if self._pending is None:
             raise EngineError("apply/flush without a pending accumulate")
@@ -628,16 +361,7 @@ class Engine:
         self.step = report.step + 1
         return report
 
-    def _lr_factor(self, applied: int) -> float:
-        cfg = self.config
-        if applied < cfg.warmup_steps:
-            return (applied + 1) / cfg.warmup_steps
-        if cfg.lr_schedule == "cosine":
-            progress = min(1.0, (applied - cfg.warmup_steps) / max(1, cfg.total_steps))
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    # ----------------------------------------------------------------- state
+    # ----------------------------------------------------------------- state (engine/state.py)
     DCP_KEYS = ("model", "optimizer")  # what a distributed engine saves through DCP (distcp.py)
 
     def state_dict(self, fqn: bool = False) -> dict[str, Any]:
@@ -646,60 +370,17 @@ class Engine:
         `fqn`): model and optimizer in torch.distributed.checkpoint's form (`get_state_dict`)."""
         if self._pending is not None:
             raise EngineError(f"step {self._pending.step} is still pending (apply or flush it)")
-        if self.parallel.distributed or fqn:
-            from torch.distributed.checkpoint.state_dict import get_state_dict
+        fqn = fqn or self.parallel.distributed
+        return state.state_dict(self.model, self.optimizer, self.scheduler, self.cursor, fqn=fqn)
 
-            model, optimizer = get_state_dict(self.model, self.optimizer)
-        else:
-            model = {name: p.detach() for name, p in self.trained_parameters()}
-            optimizer = self.optimizer.state_dict()
-        return {
-            "model": model,
-            "optimizer": optimizer,
-            "scheduler": self.scheduler.state_dict(),
-            "cursor": self.cursor.state_dict(),
-        }
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore `state_dict()`; a state that does not fit this engine is an EngineError."""
+        state.load_state_dict(state_dict, self.model, self.optimizer, self.scheduler, self.cursor)
 
     def trained_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """What a checkpoint holds of the model: every trainable parameter (all of them, or
         with LoRA only the adapters: the frozen base is the model directory's)."""
-        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()`; a state that does not fit this engine is an EngineError."""
-        missing = sorted({"model", "optimizer", "scheduler", "cursor"} - set(state))
-        if missing:
-            raise EngineError(f"engine state: missing {', '.join(missing)}")
-        if _fqn_form(state["optimizer"]):  # DCP's form: resharded onto this engine's layout
-            from torch.distributed.checkpoint.state_dict import set_state_dict
-
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optimizer"],
-            )
-            self._load_rest(state)
-            return
-        params = dict(self.trained_parameters())
-        weights = state["model"]
-        if set(weights) != set(params):
-            raise EngineError("weights do not match the model's parameters")
-        for name, tensor in weights.items():
-            if tensor.shape != params[name].shape:
-                raise EngineError(
-                    f"{name} has shape {tuple(tensor.shape)}, model has {tuple(params[name].shape)}"
-                )
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                params[name].copy_(tensor)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self._load_rest(state)
-
-    def _load_rest(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict({**state["scheduler"], "lr_lambdas": [None]})
-        self.cursor.load_state_dict(state["cursor"])
-        self.optimizer.zero_grad(set_to_none=True)
+        return state.trained_parameters(self.model)
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
         """Write this engine's state (and JSON `extra`) to directory `path` atomically;
@@ -712,37 +393,7 @@ class Engine:
 
     def state_digest(self) -> str:
         """sha256 over weights, optimizer state and the LR schedule position."""
-        h = hashlib.sha256()
-        for name, tensor in sorted(self.model.state_dict().items()):
-            h.update(name.encode())
-            h.update(_tensor_bytes(tensor))
-        opt = self.optimizer.state_dict()
-        for index in sorted(opt["state"]):
-            for key, value in sorted(opt["state"][index].items()):
-                h.update(f"{index}.{key}".encode())
-                h.update(_tensor_bytes(value) if torch.is_tensor(value) else repr(value).encode())
-        h.update(f"schedule:{self.scheduler.last_epoch}".encode())
-        return h.hexdigest()
-
-
-def _fqn_form(optimizer: dict[str, Any]) -> bool:
-    """An optimizer state dict keyed by parameter names (`get_state_dict`), not indices."""
-    groups = optimizer.get("param_groups") or [{}]
-    return any(isinstance(p, str) for p in groups[0].get("params", ()))
-
-
-def _chunk_bounds(length: int, chunks: int) -> list[int]:
-    """Boundaries of `chunks` near-equal windows over `length` (as `tensor_split` cuts them)."""
-    base, extra = divmod(length, chunks)
-    bounds = [0]
-    for c in range(chunks):
-        bounds.append(bounds[-1] + base + (1 if c < extra else 0))
-    return bounds
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    t = local(tensor.detach()).contiguous().cpu()  # a sharded model: this rank's shard
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return state.state_digest(self.model, self.optimizer, self.scheduler)
 
 
 def step_seed(seed: int, step: int, rank: int = 0) -> int:

@@ -72,9 +72,10 @@ class Finding:
         return cls(data["guard"], Action[data["action"]], data["message"], evidence, kind)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Verdict:
-    """The highest action over every finding of a step, and the findings themselves."""
+    """The highest action over every finding of a step, and the findings themselves; built
+    once (`Verdict.of` the step's findings), never edited afterwards."""
 
     action: Action
     findings: list[Finding] = field(default_factory=list)

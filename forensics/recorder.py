@@ -27,20 +27,22 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import insert, select
 
 from grpod.engine import StepReport, TransportBatch
-from grpod.engine.verdict import ACTION_NAMES, Outcome
 from grpod.forensics.blobs import BlobStore, StagedBlob
-from grpod.forensics.config import ForensicsConfig, action_rank
+from grpod.forensics.config import ForensicsConfig
 from grpod.forensics.episodes import Episode, EpisodeTracker, Observation, write_episode
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Eval, Run, Step, StepRank
 from grpod.forensics.ranks import rank_columns
 from grpod.forensics.store import Store
 from grpod.jsonsafe import from_json, to_json
+
+if TYPE_CHECKING:  # engine.step imports the Engine (torch, transformers): types only here
+    from grpod.engine.step import StepResult
 
 WRITER_NICE = 10  # the writer thread's niceness (a lower priority than the trainer's)
 HOLD_BYTES = 64 * 1024**2  # batch bytes a commit group may hold in memory before staging them
@@ -166,24 +168,15 @@ class FlightRecorder:
         self.open_incidents = len(episodes)
         self.run_id = run_id
 
-    def record(
-        self,
-        batch: TransportBatch,
-        report: StepReport,
-        verdict: dict[str, Any] | Any,
-        outcome: Outcome | str,
-        rerun: bool = False,
-    ) -> None:
-        """Queue one decided step (a `StepResult`'s batch, report, verdict and outcome).
+    def record(self, result: StepResult, *, rerun: bool = False) -> None:
+        """Queue one decided step: its batch, report, verdict and outcome (`StepResult`).
         Blocks (counted) only when `queue_size` steps are waiting."""
         self._raise_failure()
         if self.run_id is None:
             raise ForensicsError("flight recorder: record() before start_run()")
-        if outcome not in tuple(Outcome):
-            names = tuple(map(str, Outcome))
-            raise ForensicsError(f"step {report.step}: outcome {outcome!r} not in {names}")
-        verdict = _verdict_dict(verdict)
-        self._put(_StepItem(batch, report.to_dict(), verdict, str(outcome), rerun))
+        report = result.report.to_dict()  # a snapshot, taken on the caller's thread
+        verdict = result.verdict.to_dict()
+        self._put(_StepItem(result.batch, report, verdict, str(result.outcome), rerun))
 
     def note_checkpoint(self, step: int, path: str | os.PathLike) -> None:
         """A checkpoint taken with engine.step == `step` (the state before step `step`)."""
@@ -418,15 +411,6 @@ class FlightRecorder:
         self.incidents_total += opened
         self.incident_steps_total += affected
         self.open_incidents = len(self.episodes.open)
-
-
-def _verdict_dict(verdict: dict[str, Any] | Any) -> dict[str, Any]:
-    """The contract's verdict dict; a guards `Verdict` (anything with to_dict) is accepted."""
-    if not isinstance(verdict, dict):
-        verdict = verdict.to_dict()
-    action = verdict.get("action", "PASS")
-    name = ACTION_NAMES[action_rank(action)]
-    return {**verdict, "action": name, "findings": list(verdict.get("findings", []))}
 
 
 def _now() -> datetime:

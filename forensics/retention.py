@@ -1,258 +1,250 @@
-"""`fsck` (every referenced blob exists and verifies; the rank rows of every step that has
-them add up; every kept checkpoint is complete, and which one resume would choose) and `gc`
-(prune within a size budget).
+"""Retention on an open store: keep the newest checkpoints and what they need, within a budget.
 
-What retention keeps and how it prunes is forensics/prune.py (the daemon runs it after every
-checkpoint; `gc` runs it on demand).
+`prune(store, budget)` is both `grpod gc` and the daemon's own retention after every
+checkpoint. Kept: the newest `keep_checkpoints` checkpoints (0 = all) and every checkpoint an
+incident pins; the batches from the oldest of the newest `keep_checkpoints` kept checkpoints on
+(pinned or not: a pinned one replays the steps after it like any other, so a run's recent steps
+stay replayable when an incident pinned its only earlier checkpoint), and for ever those an
+incident pins ([its checkpoint's step, its first step], and the same before its worst step).
+While blobs, checkpoints and the store's own file exceed the budget, that window of checkpoints
+shrinks (never below the newest) and the unpinned checkpoints before it go, which moves the
+retention start forward. Rows are
+deleted and committed before their files, so a row never names a missing file. Checkpoint
+files that share an inode (see `link_unchanged`) count once.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
+import shutil
+import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm.exc import ObjectDeletedError
+from sqlalchemy import delete, select
 
-from grpod.engine.distcp import problems
-from grpod.forensics.blobs import BlobStore
-from grpod.forensics.errors import ForensicsError
-from grpod.forensics.models import Blob, Checkpoint, Step, StepRank
-from grpod.forensics.prune import GcReport, leftovers, pins, prune, retention_start
-from grpod.forensics.resume import choose_checkpoint
+from grpod.forensics.blobs import TEMP_PREFIX, BlobStore
+from grpod.forensics.models import Blob, Checkpoint, Incident, Step
 from grpod.forensics.store import Store
-
-__all__ = ["FsckReport", "GcReport", "fsck", "gc"]
 
 
 @dataclass
-class FsckReport:
-    blobs_checked: int = 0
-    checkpoints_checked: int = 0
-    resume_step: int | None = None  # the checkpoint `grpod run` would resume from
-    resume: str = ""  # that, in words ("" without checkpoints)
-    problems: list[str] = field(default_factory=list)  # each one line; empty = healthy
-    notes: list[str] = field(default_factory=list)  # harmless leftovers gc will remove
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
+class GcReport:
+    budget_bytes: int
+    kept_bytes: int = 0
+    freed_bytes: int = 0
+    blobs_deleted: int = 0
+    checkpoints_deleted: list[int] = field(default_factory=list)  # their steps
+    leftovers_deleted: int = 0  # temp files of interrupted writes, files without a row
+    dry_run: bool = False
+    before_bytes: int = 0  # before this pass (the daemon's peak: right after a checkpoint)
+    newest_checkpoint: int | None = None  # its step: retention never deletes it
+    pinned_checkpoints: list[int] = field(default_factory=list)  # kept for incidents, steps
+    incidents: int = 0  # incidents pinning checkpoints and batches
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
+        return {**asdict(self), "within_budget": self.kept_bytes <= self.budget_bytes}
 
 
-def fsck(run_dir: str | os.PathLike, store_url: str = "") -> FsckReport:
-    """Check every blob (its file or inline bytes: there, size, digest), every distributed
-    step's rank rows (forensics/ranks.py) and every incident's pins."""
-    store = Store(run_dir, store_url, create=False)
+def prune(
+    store: Store,
+    budget_bytes: int,
+    *,
+    keep_checkpoints: int = 0,
+    dry_run: bool = False,
+    grace_seconds: float = 3600.0,
+    headroom: bool = False,
+) -> GcReport:
+    """Delete what retention does not keep (see the module docstring). `headroom`: prune to
+    leave room for one more checkpoint interval (a daemon prunes after each checkpoint and
+    must stay within the budget until the next one)."""
     blobs = BlobStore(store.run_dir)
-    report = FsckReport()
-    try:
-        report.problems += store.integrity_problems()  # the database's own pages first
-        if report.problems:
-            return report  # rows read from a malformed file prove nothing
-        store.check_schema()
+    report = GcReport(budget_bytes=budget_bytes, dry_run=dry_run)
+    if not dry_run:
+        store.truncate_wal()  # the WAL is disk too, up to ~4 MB between SQLite's checkpoints
+    with store.session() as session:
+        runs = store.run_ids(session)
+        retained = [c for c in store.checkpoints(session) if store.checkpoint_path(c).is_dir()]
+        pinned_steps: set[int] = set()
+        incident_pins = pins(store, session)
+        report.incidents = len(incident_pins)
+        for incident, steps in incident_pins:
+            pinned_steps |= {s.id for s in steps} | {incident.step_id}
+            if incident.worst_step_id is not None:
+                pinned_steps.add(incident.worst_step_id)
+        steps = session.execute(  # (id, step, digest) only: reports can be large
+            select(Step.id, Step.step, Step.batch_digest).where(Step.run_id.in_(runs))
+        ).all()
+        other_runs = set(session.scalars(select(Step.batch_digest).where(Step.run_id.not_in(runs))))
+        rows = session.execute(select(Blob.sha256, Blob.size, Blob.path)).all()
+        sizes = {digest: size for digest, size, _ in rows}
+        inline = sum(size for _, size, path in rows if not path)
+        files = {c.id: inode_sizes(store.checkpoint_path(c)) for c in retained}
+        fixed = max(0, store.file_bytes() - inline)  # the store's rows, free pages and WAL
+
+        def keep(start: int) -> set[str | None]:
+            return other_runs | {
+                s.batch_digest for s in steps if s.step >= start or s.id in pinned_steps
+            }
+
+        def total(start: int, checkpoints: list[Checkpoint]) -> int:
+            blob_bytes = sum(sizes.get(d, 0) for d in keep(start) if d is not None)
+            held: dict[tuple[int, int], int] = {}
+            for c in checkpoints:
+                held.update(files[c.id])
+            return fixed + blob_bytes + sum(held.values())
+
+        target = budget_bytes - (_interval_bytes(retained, steps, sizes, files) if headroom else 0)
+        dropped: list[Checkpoint] = []
+
+        def drop_oldest_unpinned() -> bool:
+            unpinned = [c for c in retained[:-1] if not c.pinned]  # the newest always stays
+            if not unpinned:
+                return False
+            dropped.append(unpinned[0])
+            retained.remove(unpinned[0])
+            return True
+
+        while keep_checkpoints and sum(not c.pinned for c in retained) > keep_checkpoints:
+            if not drop_oldest_unpinned():
+                break
+        window = keep_checkpoints or len(retained)  # the checkpoints whose steps replay
+
+        def start_of() -> int:
+            return min(retention_start(retained), window_start(retained, window))
+
+        while total(start_of(), retained) > target and window > 1:
+            window -= 1
+            edge = window_start(retained, window)
+            old = [c for c in retained[:-1] if not c.pinned and c.step < edge]
+            for checkpoint in old:
+                dropped.append(checkpoint)
+                retained.remove(checkpoint)
+        start = start_of()
+        doomed = sorted(set(sizes) - keep(start))
+        report.kept_bytes = total(start, retained)
+        report.blobs_deleted = len(doomed)
+        held = {k: v for c in retained + dropped for k, v in files[c.id].items()}
+        before = fixed + sum(sizes.values()) + sum(held.values())
+        report.before_bytes = before
+        report.freed_bytes = max(0, before - report.kept_bytes)
+        report.checkpoints_deleted = sorted(c.step for c in dropped)
+        report.newest_checkpoint = retained[-1].step if retained else None
+        report.pinned_checkpoints = [c.step for c in retained if c.pinned]
+        if not dry_run:
+            for checkpoint in dropped:
+                checkpoint.deleted = True
+            if doomed:
+                session.execute(delete(Blob).where(Blob.sha256.in_(doomed)))
+    if not dry_run:  # rows are committed: now the files may go
+        for digest in doomed:
+            blobs.path(digest).unlink(missing_ok=True)
+        for checkpoint in dropped:
+            shutil.rmtree(store.checkpoint_path(checkpoint), ignore_errors=True)
         with store.session() as session:
-            report.problems += _unbacked_steps(store, session)
-            rows = {b.sha256: b for b in session.scalars(select(Blob).order_by(Blob.sha256))}
-            counts: dict[str, tuple[int, int]] = {}  # digest -> (micros, samples), verified
-            for digest, row in rows.items():
-                report.blobs_checked += 1
-                if not row.path:  # inline: the row holds the bytes (a deferred column)
-                    try:
-                        data = row.data
-                    except ObjectDeletedError:  # a live run's retention pruned it meanwhile
-                        continue
-                    if data is None:
-                        report.problems.append(f"blob {digest}: neither a file nor inline bytes")
-                    elif len(data) != row.size:
-                        report.problems.append(
-                            f"blob {digest}: its row holds {len(data)} bytes, says {row.size}"
-                        )
-                    else:
-                        try:
-                            counts[digest] = _counts(blobs, digest, data)
-                        except ForensicsError as exc:
-                            report.problems.append(str(exc))
-                    continue
-                path = store.run_dir / row.path
-                if not path.is_file():
-                    if _still_stored(store, digest):  # else pruned by a live run meanwhile
-                        report.problems.append(f"blob {digest}: missing file {path}")
-                    continue
-                if path.stat().st_size != row.size:
-                    report.problems.append(
-                        f"blob {digest}: file {path} has {path.stat().st_size} bytes, "
-                        f"row says {row.size}"
-                    )
-                    continue
-                try:
-                    counts[digest] = _counts(blobs, digest)
-                except ForensicsError as exc:
-                    report.problems.append(str(exc))
-            report.problems += _rank_problems(store, session, counts)
-            for incident, pinned in pins(store, session):
-                for step in pinned:
-                    # a live writer may have committed this blob after `rows` was read
-                    if step.batch_digest not in rows and not session.get(Blob, step.batch_digest):
-                        report.problems.append(
-                            f"incident {incident.id}: batch of step {step.step} is missing"
-                        )
-                if incident.checkpoint_id is not None:
-                    checkpoint = session.get(Checkpoint, incident.checkpoint_id)
-                    if not store.checkpoint_path(checkpoint).is_dir():
-                        report.problems.append(
-                            f"incident {incident.id}: checkpoint step {checkpoint.step} missing "
-                            f"at {store.checkpoint_path(checkpoint)}"
-                        )
-            unreferenced = leftovers(blobs, set(rows), grace_seconds=0)
-        _check_checkpoints(store, report)
-    finally:
-        store.close()
-    if unreferenced:
-        report.notes.append(
-            f"{len(unreferenced)} unreferenced blob files (interrupted writes); "
-            "`grpod gc` removes them"
-        )
+            known = set(session.scalars(select(Blob.sha256)))
+        for path in leftovers(blobs, known, grace_seconds):
+            path.unlink(missing_ok=True)
+            report.leftovers_deleted += 1
     return report
 
 
-def _still_stored(store: Store, digest: str) -> bool:
-    """Whether blob `digest` still has its row (read anew, past the checking session)."""
-    with store.session() as session:
-        return session.get(Blob, digest) is not None
+def _interval_bytes(
+    retained: list[Checkpoint],
+    steps: list[Any],
+    sizes: dict[str, int],
+    files: dict[int, dict[tuple[int, int], int]],
+) -> int:
+    """What the next checkpoint interval will add, judged by the last one: the newest
+    checkpoint's own bytes and the batches recorded since the one before it."""
+    if not retained:
+        return 0
+    newest = retained[-1]
+    since = retained[-2].step if len(retained) > 1 else 0
+    batches = {s.batch_digest for s in steps if since <= s.step < newest.step}
+    return sum(files[newest.id].values()) + sum(sizes.get(d, 0) for d in batches if d)
 
 
-def _check_checkpoints(store: Store, report: FsckReport) -> None:
-    """Every checkpoint retention kept, as resume reads it (forensics/resume.py), and which
-    one `grpod run` would resume from."""
-    noted = store.noted_checkpoints()
-    report.checkpoints_checked = len(noted)
-    choice = choose_checkpoint(noted)
-    passed = {c.step for c, _ in choice.skipped}
-    for checkpoint in noted:  # older than the chosen one: checked too (replay needs them)
-        if checkpoint.step in passed or checkpoint is choice.checkpoint:
-            continue
-        found = problems(checkpoint.path)
-        if found:
-            choice.skipped.append((checkpoint, "; ".join(found)))
-    # a live run's retention may have pruned one while it was checked: only those still kept
-    kept = {c.step for c in store.noted_checkpoints()}
-    for checkpoint, why in sorted(choice.skipped, key=lambda item: item[0].step):
-        if checkpoint.step in kept:
-            report.problems.append(f"checkpoint step {checkpoint.step} ({checkpoint.path}): {why}")
-    if choice.checkpoint is not None:
-        report.resume_step = choice.checkpoint.step
-        newest, step = noted[-1].step, choice.checkpoint.step
-        passing = "" if newest == step else f", passing over step {newest}"
-        report.resume = f"resume would restore checkpoint step {step}{passing}"
-    elif noted:
-        report.resume = "no complete checkpoint: resume would refuse (exit 2)"
-        report.problems.append(report.resume)
+def retention_start(retained: list[Checkpoint]) -> int:
+    """The step from which every batch is kept: the oldest retained unpinned checkpoint."""
+    unpinned = [c.step for c in retained if not c.pinned]
+    if unpinned:
+        return min(unpinned)
+    return min((c.step for c in retained), default=0)
 
 
-def gc(
-    run_dir: str | os.PathLike,
-    budget_bytes: int,
-    *,
-    store_url: str = "",
-    dry_run: bool = False,
-    grace_seconds: float = 3600.0,
-    keep_checkpoints: int = 0,
-) -> GcReport:
-    """Prune batches outside retention, then old checkpoints while over `budget_bytes`
-    (forensics/prune.py, which the daemon also runs after every checkpoint)."""
-    store = Store(run_dir, store_url, create=False)
-    try:
-        store.check_schema()
-        return prune(
-            store,
-            budget_bytes,
-            keep_checkpoints=keep_checkpoints,
-            dry_run=dry_run,
-            grace_seconds=grace_seconds,
-        )
-    finally:
-        store.close()
+def window_start(retained: list[Checkpoint], window: int) -> int:
+    """The oldest step of the newest `window` retained checkpoints, pinned or not."""
+    newest = retained[-window:] if window else retained
+    return min((c.step for c in newest), default=0)
 
 
-def _unbacked_steps(store: Store, session: Any) -> list[str]:
-    """Steps from the retention start on whose batch has no blob row (gc never deletes those)."""
-    start = retention_start(store.checkpoints(session))
-    orphans = session.scalars(
-        select(Step.step)
-        .where(
-            Step.run_id.in_(store.run_ids(session)),
-            Step.step >= start,
-            Step.batch_digest.not_in(select(Blob.sha256)),
-        )
-        .order_by(Step.step)
-    ).all()
-    if not orphans:
-        return []
-    return [f"{len(orphans)} steps from step {start} on name a missing batch (first: {orphans[0]})"]
-
-
-def _counts(blobs: BlobStore, digest: str, data: bytes | None = None) -> tuple[int, int]:
-    """`(micros, samples)` of a blob that verifies (ForensicsError when it does not)."""
-    tensors, _ = blobs.read(digest, data)
-    missing = sorted({"input_ids", "rewards"} - set(tensors))
-    if missing:
-        raise ForensicsError(f"blob {digest}: not a batch (no {', '.join(missing)})")
-    return int(tensors["input_ids"].shape[0]), int(tensors["rewards"].shape[0])
-
-
-def _rank_problems(store: Store, session: Any, counts: dict[str, tuple[int, int]]) -> list[str]:
-    """Distributed steps whose rank rows do not add up to the step (see `_rank_mismatches`)."""
-    rows = session.scalars(
-        select(StepRank)
-        .where(StepRank.run_id.in_(store.run_ids(session)))
-        .order_by(StepRank.step_id, StepRank.rank)
-    ).all()
-    by_step: dict[int, list[StepRank]] = {}
-    for row in rows:
-        by_step.setdefault(row.step_id, []).append(row)
-    steps = {
-        step.id: step
-        for step in session.scalars(select(Step).where(Step.id.in_(list(by_step)))).all()
-    }
-    problems = []
-    for step_id, ranks in by_step.items():
-        step = steps[step_id]
-        problems += _rank_mismatches(step, ranks, counts.get(step.batch_digest or ""))
-    return problems
-
-
-def _rank_mismatches(
-    step: Step, ranks: list[StepRank], counts: tuple[int, int] | None
-) -> list[str]:
-    """A step's rank rows must be ranks 0..N-1 of its world size, name its blob, sum to its
-    global valid tokens, and their micro and sample ranges tile its blob (`counts`, the
-    blob's micros and samples; None when it is pruned or damaged: then only in order)."""
-    report = json.loads(step.report_json)
-    where = f"step {step.step} (record {step.id})"
+def pins(store: Store, session: Any) -> list[tuple[Incident, list[Step]]]:
+    """Each incident with the step rows it pins: from its checkpoint's step to its first step,
+    and from its worst step's checkpoint to its worst step (an episode's, schema 0003)."""
     out = []
-    world = int(report.get("world_size", 1))
-    if [r.rank for r in ranks] != list(range(world)):
-        out.append(f"{where}: rank rows {[r.rank for r in ranks]}, world size {world}")
-    other = sorted({r.batch_digest or "" for r in ranks} - {step.batch_digest or ""})
-    if other:
-        out.append(f"{where}: rank rows name blob {other[0]}, the step {step.batch_digest}")
-    valid, total = sum(r.valid_tokens for r in ranks), report.get("global_valid_tokens")
-    if total is None:  # a skipped step gathers no global count: its own (0) stands for it
-        total = report.get("valid_tokens")
-    if valid != total:
-        out.append(f"{where}: rank rows sum to {valid} valid tokens, global_valid_tokens {total}")
-    for index, what in enumerate(("micro", "sample")):
-        spans = [(getattr(r, f"first_{what}"), getattr(r, f"num_{what}s")) for r in ranks]
-        starts = [sum(n for _, n in spans[:i]) for i in range(len(spans))]
-        size = None if counts is None else counts[index]
-        if [s for s, _ in spans] == starts and size in (None, sum(n for _, n in spans)):
-            continue
-        ranges = ", ".join(f"[{s}, {s + n})" for s, n in spans)
-        of = "its blob" if size is None else f"the blob's {size} {what}s"
-        out.append(f"{where}: rank {what} ranges {ranges} do not tile {of}")
+    for incident in store.incidents(session):
+        ends = [(incident.checkpoint_id, incident.step, incident.step_id)]
+        if incident.worst_step_id is not None and incident.worst_step_id != incident.step_id:
+            ends.append((incident.worst_checkpoint_id, incident.worst_step, incident.worst_step_id))
+        steps: list[Step] = []
+        for checkpoint_id, step, step_id in ends:
+            first = step if checkpoint_id is None else session.get(Checkpoint, checkpoint_id).step
+            steps += store.decided_steps(session, first, session.get(Step, step_id))
+        out.append((incident, steps))
     return out
+
+
+def leftovers(blobs: BlobStore, known: set[str], grace_seconds: float) -> list[Path]:
+    """Temp files and files without a row, older than `grace_seconds` (a live writer's are
+    newer: its file is renamed into place just before its row commits)."""
+    if not blobs.root.is_dir():
+        return []
+    cutoff = time.time() - grace_seconds
+    return [
+        path
+        for path in sorted(blobs.root.iterdir())
+        if (path.name.startswith(TEMP_PREFIX) or path.name not in known)
+        and path.stat().st_mtime <= cutoff
+    ]
+
+
+def inode_sizes(path: Path) -> dict[tuple[int, int], int]:
+    """{(device, inode): bytes} of the files under `path` (a hard link counts once)."""
+    out = {}
+    for file in path.rglob("*"):
+        if file.is_file():
+            st = file.stat()
+            out[(st.st_dev, st.st_ino)] = st.st_size
+    return out
+
+
+def link_unchanged(new: Path, previous: Path) -> int:
+    """Replace each file of checkpoint `new` that is byte-identical to the same file of
+    checkpoint `previous` by a hard link to it (unchanged weights are not stored twice);
+    returns the bytes saved. Each replacement is one rename: a crash leaves either file."""
+    saved = 0
+    for file in sorted(new.iterdir()):
+        old = previous / file.name
+        if not file.is_file() or not old.is_file():
+            continue
+        if os.path.samefile(file, old) or file.stat().st_size != old.stat().st_size:
+            continue
+        if _sha256(file) != _sha256(old):
+            continue
+        tmp = file.with_name(f".{file.name}.link-{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        os.link(old, tmp)
+        os.replace(tmp, file)
+        saved += file.stat().st_size
+    return saved
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -105,24 +105,25 @@ class GuardPolicy:
     def decide(self, findings: list[Finding]) -> Verdict:
         """One verdict: the highest action, all-reduced over ranks, escalated after
         `halt_after_consecutive_flushes` flushed steps in a row."""
-        verdict = Verdict.of(findings)
+        findings = list(findings)
+        action = Verdict.of(findings).action
         if self._all_reduce():
-            reduced = Action(distributed.all_reduce_max(int(verdict.action)))
-            if reduced > verdict.action:
-                verdict.findings.append(
+            reduced = Action(distributed.all_reduce_max(int(action)))
+            if reduced > action:
+                findings.append(
                     Finding(
                         "policy",
                         reduced,
                         f"a peer rank's verdict is {reduced.name}",
-                        {"local_action": float(verdict.action), "rank": float(distributed.rank())},
+                        {"local_action": float(action), "rank": float(distributed.rank())},
                     )
                 )
-                verdict.action = reduced
-        if verdict.action >= Action.FLUSH:
+                action = reduced
+        if action >= Action.FLUSH:
             self.consecutive_flushes += 1
             limit = self.config.halt_after_consecutive_flushes
-            if limit and self.consecutive_flushes >= limit and verdict.action < Action.HALT:
-                verdict.findings.append(
+            if limit and self.consecutive_flushes >= limit and action < Action.HALT:
+                findings.append(
                     Finding(
                         "policy",
                         Action.HALT,
@@ -130,10 +131,9 @@ class GuardPolicy:
                         {"consecutive_flushes": float(self.consecutive_flushes)},
                     )
                 )
-                verdict.action = Action.HALT
         else:
             self.consecutive_flushes = 0
-        return verdict
+        return Verdict.of(findings)  # built once, from every finding
 
     def check_weights(
         self, weights: list[torch.Tensor], cover: torch.Tensor | None = None

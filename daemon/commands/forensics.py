@@ -12,9 +12,8 @@ import sys
 from typing import Any
 
 from grpod.daemon.commands.args import non_negative
+from grpod.daemon.commands.status import DEFAULT_RUN_DIR
 from grpod.daemon.exitcodes import EXIT_FAILURE, EXIT_OK
-
-DEFAULT_RUN_DIR = "var/grpod/latest"
 
 
 def register(sub: argparse._SubParsersAction) -> None:

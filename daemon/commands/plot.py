@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from grpod.daemon.commands.status import DEFAULT_RUN_DIR
+
 if TYPE_CHECKING:
     from grpod.guards.config import CorrelationConfig
 
 OUTCOME_COLORS = {"applied": "#2ca02c", "flushed": "#ff7f0e", "skipped": "#1f77b4"}
 OUTCOME_LEVELS = {"applied": 0, "flushed": 1, "skipped": 2}
-DEFAULT_RUN_DIR = "var/grpod/latest"  # the daemon's newest run (see daemon/config.py)
 PNG_DPI = 100
 
 

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-DEFAULT_RUN_DIR = "var/grpod/latest"
+DEFAULT_RUN_DIR = "var/grpod/latest"  # the daemon's newest run (daemon/config.py DEFAULT_ROOT)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from grpod.daemon import launcher
 from grpod.daemon.commands.run import register
 from grpod.daemon.notify import Notifier
@@ -106,6 +108,7 @@ def test_the_channel_tells_systemd_what_every_rank_says(tmp_path: Path) -> None:
     assert systemd.fields("GRPOD_RANK") == []
 
 
+@pytest.mark.slow  # a `grpod run` subprocess
 def test_bad_input_is_refused_by_the_agent_before_any_rank_starts(tmp_path: Path) -> None:
     """3 groups over 2 ranks: one line from the agent, exit 2, no rank, nothing created."""
     config = write_config(
@@ -125,6 +128,7 @@ def test_bad_input_is_refused_by_the_agent_before_any_rank_starts(tmp_path: Path
     assert done.stdout == "" and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # a `grpod run` subprocess
 def test_a_launcher_option_torchrun_refuses_is_one_line(tmp_path: Path) -> None:
     done = subprocess.run(
         [GRPOD, "run", "--nproc-per-node", "2", "--nnodes", "2:1", "--run-dir", "run"],

@@ -6,7 +6,11 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.daemon.helpers import GRPOD, Grpod, free_port, http_get, parse_metrics, tiny_config
+
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
 LONG_ENGINE = {  # prompts of 40..90 tokens through a 24-slot cache (3 sinks by default)
     "task": "kv-retrieval",

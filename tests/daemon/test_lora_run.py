@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 
 from tests.daemon.helpers import run_to_end, tiny_config
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 pytest.importorskip("peft")  # the `lora` extra (in `dev`)
 
 

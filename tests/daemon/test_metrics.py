@@ -11,7 +11,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 
 from grpod.daemon.metrics import PHASE_BUCKETS, Metrics
-from grpod.engine import StepReport
+from grpod.engine import Outcome, StepReport, StepResult
 from grpod.engine.report import KVCacheReport
 from grpod.guards import Action, Finding, Verdict
 from tests.daemon.helpers import parse_metrics
@@ -85,12 +85,19 @@ def report(step: int = 3, **overrides: object) -> StepReport:
     return make_report(step=step, **{**values, **overrides})
 
 
+def decided(
+    report: StepReport, verdict: Verdict, outcome: str, phases: dict[str, float]
+) -> StepResult:
+    """A decided step as the loop hands it to the metrics (they read no batch)."""
+    return StepResult(None, report, verdict, Outcome(outcome), phases)  # type: ignore[arg-type]
+
+
 def test_every_contract_name_and_the_values() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry, {"grpod": "0.1.0", "torch": "2", "transformers": "5"})
     verdict = Verdict(Action.WARN, [Finding("accounting", Action.WARN, "vtc != mask", {})])
     phases = {**ENGINE_PHASES, "guards": 0.001, "record": 0.0002}
-    metrics.observe_step(report(), verdict, "applied", phases, 0.83, now=1234.0)
+    metrics.observe_step(decided(report(), verdict, "applied", phases), 0.83, now=1234.0)
     metrics.observe_recorder(queue_depth=2, blocked_total=1, incidents_total=1, uncommitted_steps=5)
     metrics.observe_recorder(queue_depth=0, blocked_total=1, incidents_total=3, uncommitted_steps=7)
     metrics.observe_recorder(0, 1, 3, 7, incident_steps_total=40, incidents_open=2)
@@ -133,7 +140,7 @@ def test_a_bounded_rollout_cache_publishes_its_settings_and_evictions() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry)
     kv = KVCacheReport("h2o", 256, 16, 4, prompt_tokens_evicted=3072.0, fill=0.875)
-    metrics.observe_step(report(kv_cache=kv), Verdict(Action.PASS, []), "applied", {})
+    metrics.observe_step(decided(report(kv_cache=kv), Verdict(Action.PASS, []), "applied", {}))
     values = parse_metrics(generate_latest(registry).decode())
     assert values["grpod_kv_cache_evicted_prompt_tokens"] == 3072.0
     assert values["grpod_kv_cache_fill_ratio"] == 0.875
@@ -146,7 +153,7 @@ def test_skipped_step_counts_no_completions() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry)
     skipped = report(skipped_compute=True)
-    metrics.observe_step(skipped, Verdict(Action.FLUSH, []), "skipped", {"guards": 0.0})
+    metrics.observe_step(decided(skipped, Verdict(Action.FLUSH, []), "skipped", {"guards": 0.0}))
     values = parse_metrics(generate_latest(registry).decode())
     assert values['grpod_steps_total{outcome="skipped"}'] == 1
     assert values["grpod_completions_total"] == 0
@@ -157,12 +164,13 @@ import sys; sys.path[:0] = {path!r}
 from prometheus_client import CollectorRegistry
 from grpod.daemon.metrics import Metrics, RankMetrics
 from grpod.guards import Action, Verdict
-from tests.daemon.test_metrics import report
+from tests.daemon.test_metrics import decided, report
 registry, rank = CollectorRegistry(), {rank}
+PASS = Verdict(Action.PASS, [])
 mine = report(step=5, valid_tokens=100 + rank, expected_valid_tokens=100 + rank)
 if rank == 0:  # rank 0 alone publishes the step's numbers
-    Metrics(registry).observe_step(mine, Verdict(Action.PASS, []), "applied", {{"grad": 0.1}})
-RankMetrics(registry, rank).observe(mine, {{"grad": 0.5 + rank}})
+    Metrics(registry).observe_step(decided(mine, PASS, "applied", {{"grad": 0.1}}))
+RankMetrics(registry, rank).observe(decided(mine, PASS, "applied", {{"grad": 0.5 + rank}}))
 print("ready", flush=True)
 sys.stdin.read()
 """

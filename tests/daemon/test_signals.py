@@ -9,6 +9,8 @@ import pytest
 
 from grpod.daemon.signals import AbandonStep, Signals
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 
 def test_stop_abandon_and_reload() -> None:
     flags = Signals()

@@ -16,7 +16,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.daemon.helpers import GRPOD, TINY_ENGINE, Grpod, http_get, write_config
+
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
 DEAD_STEPS = 100  # the dead_campaign window (default 200): HALT at step ~110
 FIRST_SAMPLED_STEP = 20

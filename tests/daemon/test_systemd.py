@@ -13,6 +13,8 @@ import pytest
 
 from grpod import daemon
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 UNITS = Path(daemon.__file__).with_name("systemd")
 UNIT, GPU_UNIT = UNITS / "grpod.service", UNITS / "grpod-gpu.service"
 GRPOD = str(Path(sys.executable).with_name("grpod"))

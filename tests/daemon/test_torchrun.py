@@ -44,6 +44,8 @@ from tests.daemon.helpers import (
     write_config,
 )
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENGINE = {  # W2 (long prompts, 256-token rows in 4 sequence chunks), one row per micro
     "task": "kv-retrieval",

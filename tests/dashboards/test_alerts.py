@@ -17,6 +17,8 @@ from tests.dashboards.helpers import (
     promtool,
 )
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 REQUIRED_ALERTS = {
     "GrpodMetricsDown",
     "GrpodStalled",

@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.dashboards.conftest import DaemonRun
@@ -24,6 +25,8 @@ from tests.dashboards.helpers import (
     promtool,
     substitute,
 )
+
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
 TARGET = {"job": "grpod", "instance": "daemon:9464"}
 POINTS = 41  # 10 minutes at 15 s

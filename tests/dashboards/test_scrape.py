@@ -21,6 +21,8 @@ from tests.dashboards.helpers import (
     promtool,
 )
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 
 def _declared(scrape: str) -> dict[str, str]:
     """family name -> type, from the scrape's `# TYPE` lines."""

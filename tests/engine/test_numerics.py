@@ -11,7 +11,7 @@ def _hidden_and_targets(
     engine: Engine, batch: TransportBatch | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch = batch or engine.rollout()
-    hidden, source = engine._trunk(engine.model, batch, 0)
+    hidden, source = engine.forward_backward.trunk(engine.model, batch, 0)
     hidden, targets = hidden[source], batch.input_ids[0].reshape(-1)
     index = batch.loss_mask[0].reshape(-1).nonzero().squeeze(-1)
     weight = engine.model.get_output_embeddings().weight
@@ -69,8 +69,8 @@ def test_fp32_accumulation_over_64_bf16_micros_vs_float64() -> None:
     for m in range(batch.num_micros):
         engine.model.zero_grad(set_to_none=True)
         single = batch.reorder([m, *[i for i in range(batch.num_micros) if i != m]])
-        hidden, source = engine._trunk(engine.model, single, 0)
-        loss = engine._chunk_losses(single, 0, hidden, source, None, _Stats())
+        hidden, source = engine.forward_backward.trunk(engine.model, single, 0)
+        loss = engine.forward_backward.chunk_losses(single, 0, hidden, source, None, _Stats())
         loss.backward()
         per_micro.append([p.grad.double().clone() for p in engine.params])
     engine.model.zero_grad(set_to_none=True)

@@ -21,6 +21,8 @@ from safetensors.torch import load_file
 from grpod.engine import Engine, EngineConfig, EngineError, StepReport, TransportBatch
 from tests.engine.parallel_worker import CONFIG, MODES
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 # measured on this CPU (torch 2.13, gloo): loss, grad norm and weights bit-identical; allowed:

@@ -16,6 +16,7 @@ import torch
 
 from grpod.engine import Engine, EngineConfig, StepReport
 from grpod.forensics import FlightRecorder, ForensicsConfig
+from tests.forensics.test_store import decided
 
 TINY = dict(
     task="arith",
@@ -102,7 +103,11 @@ def run_campaign(
                 campaign.checkpoints.append(engine.step)
             batch = engine.rollout()
             if batch.step in skip_steps:
-                report, verdict, outcome = engine.skip(batch), {"action": "FLUSH"}, "skipped"
+                report, verdict, outcome = (
+                    engine.skip(batch),
+                    {"action": "FLUSH", "findings": []},
+                    "skipped",
+                )
             else:
                 if batch.num_micros > 1:
                     batch = batch.reorder(list(reversed(range(batch.num_micros))))
@@ -114,7 +119,7 @@ def run_campaign(
                 else:
                     outcome = "applied"
                     engine.apply()
-            recorder.record(batch, report, verdict, outcome)
+            recorder.record(decided(batch, report, verdict, outcome))
             campaign.reports[report.step] = report
             campaign.outcomes[report.step] = outcome
     finally:

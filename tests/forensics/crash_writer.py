@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from grpod.forensics import FlightRecorder, ForensicsConfig
-from tests.forensics.test_store import tiny_batch, tiny_report
+from tests.forensics.test_store import decided, tiny_batch, tiny_report
 
 
 def main(run_dir: str, run_id: str) -> None:
@@ -32,7 +32,7 @@ def main(run_dir: str, run_id: str) -> None:
     while True:
         batch = replace(big, step=step, input_ids=big.input_ids.roll(step, -1))
         verdict = {"action": "WARN" if step % 3 == 0 else "PASS", "findings": []}
-        recorder.record(batch, tiny_report(step), verdict, "applied")
+        recorder.record(decided(batch, tiny_report(step), verdict, "applied"))
         print(step, recorder.recorded_total, flush=True)
         step += 1
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from grpod.forensics import FlightRecorder, ForensicsConfig
-from tests.forensics.test_store import PASS, WARN, tiny_batch, tiny_report
+from tests.forensics.test_store import PASS, WARN, decided, tiny_batch, tiny_report
 
 
 def main(run_dir: str, inline_bytes: str) -> None:
@@ -17,12 +17,12 @@ def main(run_dir: str, inline_bytes: str) -> None:
     recorder = FlightRecorder(Path(run_dir), config)
     recorder.start_run("r", {"engine": {}}, {}, "cpu")
     for step in range(5):
-        recorder.record(tiny_batch(step), tiny_report(step), PASS, "applied")
+        recorder.record(decided(tiny_batch(step), tiny_report(step), PASS, "applied"))
     recorder.drain()  # steps 0-4 acknowledged
     for step, verdict in ((5, PASS), (6, PASS), (7, WARN)):  # the incident commits 5-7
-        recorder.record(tiny_batch(step), tiny_report(step), verdict, "applied")
+        recorder.record(decided(tiny_batch(step), tiny_report(step), verdict, "applied"))
     for step in (8, 9):  # held, not acknowledged
-        recorder.record(tiny_batch(step), tiny_report(step), PASS, "applied")
+        recorder.record(decided(tiny_batch(step), tiny_report(step), PASS, "applied"))
     while recorder.uncommitted_steps < 2 or recorder.queue_depth:
         time.sleep(0.001)
     print(recorder.recorded_total, recorder.uncommitted_steps, flush=True)

@@ -9,11 +9,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 
 from grpod.forensics import BlobStore, Store, fsck, gc
 from grpod.forensics.blobs import TEMP_PREFIX
 from grpod.forensics.models import Blob, Step
+
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPOD = str(Path(sys.executable).with_name("grpod"))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from grpod.forensics import FlightRecorder, ForensicsConfig, Store, list_incidents
 from grpod.forensics.episodes import EpisodeTracker
-from tests.forensics.test_store import PASS, record_steps, tiny_batch, tiny_report
+from tests.forensics.test_store import PASS, decided, record_steps, tiny_batch, tiny_report
 
 
 def warn(guard: str = "advantage", kind: str = "all_zero", severity: float = 0.0) -> dict:
@@ -52,14 +52,16 @@ def test_an_episode_a_crash_left_open_continues_after_the_resume(tmp_path: Path)
     first = FlightRecorder(tmp_path, config)
     first.start_run("r1", {"engine": {}}, {}, "cpu")
     for step in range(5):
-        first.record(tiny_batch(step), tiny_report(step), warn(), "applied")
+        first.record(decided(tiny_batch(step), tiny_report(step), warn(), "applied"))
     first.drain()  # committed, then the process dies without close()
     assert list_incidents(tmp_path)[0]["status"] == "open"
     second = FlightRecorder(tmp_path, config)
     second.start_run("r1", {"engine": {}}, {}, "cpu")
     assert second.open_incidents == 1
     for step in range(3, 8):  # 3 and 4 re-run (already counted), 5-7 new
-        second.record(tiny_batch(step), tiny_report(step), warn(), "applied", rerun=step < 5)
+        second.record(
+            decided(tiny_batch(step), tiny_report(step), warn(), "applied"), rerun=step < 5
+        )
     second.close()
     (row,) = list_incidents(tmp_path)
     assert (row["step"], row["last_step"], row["steps"], row["status"]) == (0, 7, 8, "closed")
@@ -74,7 +76,7 @@ def test_a_moving_worst_step_keeps_only_its_latest_checkpoint_pinned(tmp_path: P
         if step % 10 == 0:
             recorder.note_checkpoint(step, tmp_path / "checkpoints" / f"step-{step:08d}")
         verdict = warn("entropy", "drop", severity=step / 100) if step else PASS
-        recorder.record(tiny_batch(step), tiny_report(step), verdict, "applied")
+        recorder.record(decided(tiny_batch(step), tiny_report(step), verdict, "applied"))
     recorder.close()
     store = Store(tmp_path, create=False)
     with store.session() as session:

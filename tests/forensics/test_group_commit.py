@@ -27,7 +27,7 @@ from grpod.forensics import (
 from grpod.forensics import recorder as recorder_module
 from grpod.forensics.blobs import TEMP_PREFIX, encode
 from grpod.forensics.models import Blob, Checkpoint, Incident, Step
-from tests.forensics.test_store import PASS, WARN, tiny_batch, tiny_report
+from tests.forensics.test_store import PASS, WARN, decided, tiny_batch, tiny_report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def test_steps_commit_in_groups_incidents_and_checkpoints_at_once(tmp_path: Path
     recorder.start_run("r", {"engine": {}}, {}, "cpu")
 
     def record(step: int, verdict: dict = PASS) -> None:
-        recorder.record(tiny_batch(step), tiny_report(step), verdict, "applied")
+        recorder.record(decided(tiny_batch(step), tiny_report(step), verdict, "applied"))
 
     for step in range(3):
         record(step)
@@ -101,7 +101,7 @@ def test_a_quiet_group_commits_after_the_interval(tmp_path: Path) -> None:
     config = ForensicsConfig(commit_every_steps=1000, commit_interval_seconds=0.05)
     recorder = FlightRecorder(tmp_path, config)
     recorder.start_run("r", {"engine": {}}, {}, "cpu")
-    recorder.record(tiny_batch(0), tiny_report(0), PASS, "applied")
+    recorder.record(decided(tiny_batch(0), tiny_report(0), PASS, "applied"))
     wait_for(lambda: recorder.recorded_total == 1, "the interval's commit")
     assert stored(tmp_path)[0] == [0]
     recorder.close()
@@ -111,7 +111,7 @@ def test_commit_every_step_is_one_commit_per_step(tmp_path: Path) -> None:
     recorder = FlightRecorder(tmp_path, ForensicsConfig(commit_every_steps=1))
     recorder.start_run("r", {"engine": {}}, {}, "cpu")
     for step in range(3):
-        recorder.record(tiny_batch(step), tiny_report(step), PASS, "applied")
+        recorder.record(decided(tiny_batch(step), tiny_report(step), PASS, "applied"))
     recorder.close()
     assert recorder.commits_total == 3 and stored(tmp_path)[0] == [0, 1, 2]
 
@@ -160,7 +160,7 @@ def test_held_batches_past_the_memory_cap_are_staged_early(
     recorder = FlightRecorder(tmp_path, config)
     recorder.start_run("r", {"engine": {}}, {}, "cpu")
     for step in range(3):
-        recorder.record(tiny_batch(step), tiny_report(step), PASS, "applied")
+        recorder.record(decided(tiny_batch(step), tiny_report(step), PASS, "applied"))
     wait_for(lambda: recorder.uncommitted_steps == 3, "three held steps")
     temps = [p for p in recorder.blobs.root.iterdir() if p.name.startswith(TEMP_PREFIX)]
     assert len(temps) == 3 and stored(tmp_path)[0] == []  # on disk, not yet committed
@@ -211,8 +211,8 @@ def test_small_batches_commit_inline_and_large_ones_as_files(tmp_path: Path) -> 
     assert size[0] < 4096 < size[1]
     recorder = FlightRecorder(tmp_path, ForensicsConfig(inline_blob_bytes=4096))
     recorder.start_run("r", {"engine": {}}, {}, "cpu")
-    recorder.record(small, tiny_report(0), PASS, "applied")
-    recorder.record(large, tiny_report(1), PASS, "applied")
+    recorder.record(decided(small, tiny_report(0), PASS, "applied"))
+    recorder.record(decided(large, tiny_report(1), PASS, "applied"))
     recorder.close()
     store, blobs = Store(tmp_path, create=False), BlobStore(tmp_path)
     with store.session() as session:

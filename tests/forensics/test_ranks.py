@@ -16,12 +16,13 @@ from sqlalchemy import delete, func, inspect, select, text, update
 
 from grpod.daemon.cli import main
 from grpod.engine import Engine, EngineConfig, StepReport, TransportBatch
+from grpod.engine.report import RankReport
 from grpod.forensics import FlightRecorder, ForensicsConfig, ForensicsError, Store, fsck, gc, replay
 from grpod.forensics.incidents import incident_batch
 from grpod.forensics.models import Blob, Step, StepRank
 from grpod.jsonsafe import to_json
 from tests.forensics.campaign import TINY
-from tests.forensics.test_store import PASS, _migrate, tiny_batch, tiny_report
+from tests.forensics.test_store import PASS, _migrate, decided, tiny_batch, tiny_report
 from tests.reports import make_report
 
 FLUSH = {"action": "FLUSH", "findings": [{"guard": "nan", "action": "FLUSH", "message": "x"}]}
@@ -57,16 +58,15 @@ def distributed_step(
     and each rank's batch of a 2-rank step."""
     parts = [rank_batch(step, m, offset=1000 * r) for r, m in enumerate(RANK_MICROS)]
     ranks = [
-        {
-            "rank": r,
-            "valid_tokens": b.expected_valid_tokens(),
-            "expected_valid_tokens": b.expected_valid_tokens(),
-            "local_loss": loss,
-            "num_micros": b.num_micros,
-            "num_samples": b.num_samples,
-            "phase_seconds": {"grad": 0.01 * (r + 1)},
-            "chunk_trace": [],
-        }
+        RankReport(
+            rank=r,
+            valid_tokens=b.expected_valid_tokens(),
+            expected_valid_tokens=b.expected_valid_tokens(),
+            local_loss=loss,
+            num_micros=b.num_micros,
+            num_samples=b.num_samples,
+            phase_seconds={"grad": 0.01 * (r + 1)},
+        )
         for r, (b, loss) in enumerate(zip(parts, local_losses))
     ]
     total = sum(b.expected_valid_tokens() for b in parts)
@@ -116,9 +116,9 @@ def test_each_rank_is_a_row_naming_its_slice_of_the_one_blob(
     tmp_path: Path, store_url: str
 ) -> None:
     recorder = recorder_for(tmp_path, store_url)
-    recorder.record(tiny_batch(0), tiny_report(0), PASS, "applied")  # one process: no rows
+    recorder.record(decided(tiny_batch(0), tiny_report(0), PASS, "applied"))  # one process: no rows
     batch, report, parts = distributed_step(1)
-    recorder.record(batch, report, PASS, "applied")
+    recorder.record(decided(batch, report, PASS, "applied"))
     recorder.close()
     assert recorder.commits_total == 1  # the rank rows committed with their step
 
@@ -152,11 +152,11 @@ def test_each_rank_is_a_row_naming_its_slice_of_the_one_blob(
 def test_a_rerun_step_records_rank_rows_of_its_own(tmp_path: Path, store_url: str) -> None:
     recorder = recorder_for(tmp_path, store_url)
     batch, report, _ = distributed_step(0, (0.1, 0.2))
-    recorder.record(batch, report, FLUSH, "flushed")
+    recorder.record(decided(batch, report, FLUSH, "flushed"))
     recorder.close()
     recorder = recorder_for(tmp_path, store_url)  # resumed: step 0 again
     batch, report, _ = distributed_step(0, (0.3, 0.4))
-    recorder.record(batch, report, PASS, "applied", rerun=True)
+    recorder.record(decided(batch, report, PASS, "applied"), rerun=True)
     recorder.close()
 
     store = Store(tmp_path, store_url, create=False)
@@ -183,9 +183,9 @@ def record_an_incident_on_a_distributed_step(run_dir: Path) -> list[TransportBat
             checkpoint(recorder, run_dir, step)
         if step == 3:
             batch, report, parts = distributed_step(step)
-            recorder.record(batch, report, FLUSH, "flushed")
+            recorder.record(decided(batch, report, FLUSH, "flushed"))
         else:
-            recorder.record(tiny_batch(step), tiny_report(step), PASS, "applied")
+            recorder.record(decided(tiny_batch(step), tiny_report(step), PASS, "applied"))
     recorder.close()
     assert recorder.incidents_total == 1
     return parts
@@ -242,11 +242,11 @@ def test_fsck_finds_rank_rows_that_do_not_add_up(
 ) -> None:
     recorder = recorder_for(tmp_path)
     batch, report, _ = distributed_step(0)
-    recorder.record(batch, report, PASS, "applied")
+    recorder.record(decided(batch, report, PASS, "applied"))
     batch, report, _ = distributed_step(1)  # skipped: no compute, no global count
-    ranks = [{**r, "valid_tokens": 0, "local_loss": None} for r in report.rank_reports]
+    ranks = [replace(r, valid_tokens=0, local_loss=None) for r in report.rank_reports]
     skipped = replace(report, valid_tokens=0, global_valid_tokens=None, rank_reports=ranks)
-    recorder.record(batch, skipped, FLUSH, "skipped")
+    recorder.record(decided(batch, skipped, FLUSH, "skipped"))
     recorder.close()
     assert fsck(tmp_path).ok
     where = "step 0 (record 1)"
@@ -280,7 +280,7 @@ def test_a_0004_store_upgrades_and_reads_its_ranks_from_the_report(
 ) -> None:
     recorder = recorder_for(tmp_path, store_url)
     batch, report, _ = distributed_step(0, (0.1, 0.2))  # finite: compared with ==
-    recorder.record(batch, report, PASS, "applied")
+    recorder.record(decided(batch, report, PASS, "applied"))
     recorder.close()
     store = Store(tmp_path, store_url, create=False)
     with store.session() as session:
@@ -297,7 +297,7 @@ def test_a_0004_store_upgrades_and_reads_its_ranks_from_the_report(
     assert "revision 0005" in capsys.readouterr().out
     recorder = recorder_for(tmp_path, store_url)  # a new step records its rows
     batch, report, _ = distributed_step(1, (0.5, 0.5))
-    recorder.record(batch, report, PASS, "applied")
+    recorder.record(decided(batch, report, PASS, "applied"))
     recorder.close()
     store = Store(tmp_path, store_url, create=False)
     with store.session() as session:
@@ -336,23 +336,12 @@ def test_replay_of_one_rank_compares_its_rank_row(tmp_path: Path) -> None:
     total = 2 * batch.expected_valid_tokens()
     mine = engine.accumulate(batch, global_valid_tokens=total)  # one rank's numbers
     engine.flush()
-    ranks = [
-        {
-            "rank": r,
-            **{k: getattr(mine, k) for k in ("valid_tokens", "expected_valid_tokens")},
-            "local_loss": mine.local_loss,
-            "num_micros": batch.num_micros,
-            "num_samples": batch.num_samples,
-            "phase_seconds": {},
-            "chunk_trace": [asdict(c) for c in mine.chunk_trace],
-        }
-        for r in (0, 1)
-    ]
+    ranks = [replace(RankReport.of(mine, {}), rank=r) for r in (0, 1)]
     order = mine.micro_order + [batch.num_micros + m for m in mine.micro_order]
     report = replace(
         mine, world_size=2, global_valid_tokens=total, micro_order=order, rank_reports=ranks
     )
-    recorder.record(TransportBatch.concat([batch, batch]), report, FLUSH, "flushed")
+    recorder.record(decided(TransportBatch.concat([batch, batch]), report, FLUSH, "flushed"))
     recorder.close()
 
     result = replay(tmp_path, step=0, rank=1, trace=True)
@@ -387,7 +376,7 @@ def _record_one_step(
     path = run_dir / "checkpoints" / "step-00000000"
     shutil.copytree(checkpoint, path)
     recorder.note_checkpoint(0, path)
-    recorder.record(batch, report, FLUSH, "flushed")
+    recorder.record(decided(batch, report, FLUSH, "flushed"))
     recorder.close()
 
 

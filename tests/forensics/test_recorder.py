@@ -13,7 +13,7 @@ from sqlalchemy import delete, func, select
 from grpod.engine import Engine, EngineConfig, StepReport
 from grpod.forensics import FlightRecorder, ForensicsConfig, ForensicsError, Store
 from grpod.forensics.models import Run, Step
-from tests.forensics.test_store import PASS, tiny_batch, tiny_report
+from tests.forensics.test_store import PASS, decided, tiny_batch, tiny_report
 
 
 def test_full_queue_blocks_and_counts_never_drops(tmp_path: Path) -> None:
@@ -23,7 +23,7 @@ def test_full_queue_blocks_and_counts_never_drops(tmp_path: Path) -> None:
     recorder.start_run("r", {"engine": {}}, {}, "cpu")
     depths = []
     for step in range(12):
-        recorder.record(tiny_batch(step), tiny_report(step), PASS, "applied")
+        recorder.record(decided(tiny_batch(step), tiny_report(step), PASS, "applied"))
         depths.append(recorder.queue_depth)
     recorder.close()
     assert max(depths) <= 1
@@ -38,12 +38,7 @@ def test_full_queue_blocks_and_counts_never_drops(tmp_path: Path) -> None:
 def test_bad_calls_are_refused(tmp_path: Path) -> None:
     recorder = FlightRecorder(tmp_path)
     with pytest.raises(ForensicsError, match="before start_run"):
-        recorder.record(tiny_batch(0), tiny_report(0), PASS, "applied")
-    recorder.start_run("r", {"engine": {}}, {}, "cpu")
-    with pytest.raises(ForensicsError, match="outcome 'done'"):
-        recorder.record(tiny_batch(0), tiny_report(0), PASS, "done")
-    with pytest.raises(ForensicsError, match="verdict action 'MAYBE'"):
-        recorder.record(tiny_batch(0), tiny_report(0), {"action": "MAYBE"}, "applied")
+        recorder.record(decided(tiny_batch(0), tiny_report(0), PASS, "applied"))
     recorder.close()
 
 
@@ -54,23 +49,17 @@ def test_writer_failure_surfaces_and_never_hangs_the_trainer(tmp_path: Path) -> 
         session.execute(delete(Run))
     with pytest.raises(ForensicsError, match="flight recorder failed"):
         for step in range(20):
-            recorder.record(tiny_batch(step), tiny_report(step), PASS, "applied")
+            recorder.record(decided(tiny_batch(step), tiny_report(step), PASS, "applied"))
         recorder.drain()
     with pytest.raises(ForensicsError, match="flight recorder failed"):
         recorder.close()
 
 
-class _VerdictLike:
-    """What the daemon passes: a guards Verdict, of which the recorder uses only to_dict()."""
-
-    def to_dict(self) -> dict:
-        return {"action": "HALT", "findings": [{"guard": "finite", "action": "HALT"}]}
-
-
-def test_a_verdict_object_is_recorded_through_to_dict(tmp_path: Path) -> None:
+def test_a_halt_verdict_is_recorded_as_an_incident(tmp_path: Path) -> None:
     recorder = FlightRecorder(tmp_path)
     recorder.start_run("r", {"engine": {}}, {}, "cpu")
-    recorder.record(tiny_batch(0), tiny_report(0), _VerdictLike(), "flushed")
+    halt = {"action": "HALT", "findings": [{"guard": "finite", "action": "HALT", "message": "x"}]}
+    recorder.record(decided(tiny_batch(0), tiny_report(0), halt, "flushed"))
     recorder.close()
     assert recorder.incidents_total == 1
     store = Store(tmp_path, create=False)

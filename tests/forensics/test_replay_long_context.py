@@ -5,9 +5,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 from grpod.forensics import list_incidents, replay
 from grpod.forensics.replay import bit_equal
 from tests.forensics.campaign import run_campaign
+
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
 LONG_CONTEXT = dict(  # prompts of 40..90 tokens through a 24-slot cache: every one evicts
     task="kv-retrieval",

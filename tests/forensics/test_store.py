@@ -6,6 +6,7 @@ import json
 import math
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import func, select, text
 
-from grpod.engine import StepReport, TransportBatch
+from grpod.engine import Outcome, StepReport, StepResult, TransportBatch, Verdict
 from grpod.forensics import BlobStore, FlightRecorder, ForensicsConfig, ForensicsError, Store
 from grpod.forensics.models import Base, Blob, Checkpoint, Incident, Run, Step
 from grpod.forensics.store import NotedCheckpoint, RunSummary
@@ -38,6 +39,13 @@ def tiny_batch(step: int) -> TransportBatch:
         step=step,
         config_digest="test",
     )
+
+
+def decided(
+    batch: TransportBatch, report: StepReport, verdict: dict[str, Any], outcome: str
+) -> StepResult:
+    """A decided step as the daemon hands it to the recorder, from a verdict dict."""
+    return StepResult(batch, report, Verdict.from_dict(verdict), Outcome(outcome), {})
 
 
 def tiny_report(step: int, loss: float = 0.25) -> StepReport:
@@ -69,7 +77,7 @@ def record_steps(run_dir: Path, store_url: str, verdicts: list[dict], **config) 
     for step, verdict in enumerate(verdicts):
         loss = math.nan if verdict["action"] == "FLUSH" else 0.25
         outcome = "flushed" if verdict["action"] == "FLUSH" else "applied"
-        recorder.record(tiny_batch(step), tiny_report(step, loss), verdict, outcome)
+        recorder.record(decided(tiny_batch(step), tiny_report(step, loss), verdict, outcome))
     recorder.close()
     return recorder
 
@@ -240,7 +248,7 @@ def test_typed_reads_of_a_run_dir(tmp_path: Path, store_url: str) -> None:
     record_steps(tmp_path, store_url, [PASS, WARN, FLUSH])
     recorder = FlightRecorder(tmp_path, ForensicsConfig(store_url=store_url))
     recorder.start_run("r1", {"engine": {}, "guards": {}}, {}, "cpu")  # resumed: step 2 again
-    recorder.record(tiny_batch(2), tiny_report(2, loss=0.5), PASS, "applied", rerun=True)
+    recorder.record(decided(tiny_batch(2), tiny_report(2, loss=0.5), PASS, "applied"), rerun=True)
     recorder.close()
     store = Store(tmp_path, store_url, create=False)
     assert store.last_recorded_step() == 2
