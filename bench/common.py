@@ -45,6 +45,20 @@ OUT_DIR = ROOT / "bench" / "out"
 
 
 # ------------------------------------------------------------------ model, tokenizer, task
+# W2 (bench/WORKLOADS.md) as an engine config: long prompts, 256-token rows in 4 sequence
+# chunks, one row per micro (the torchrun benches' setting)
+W2_ENGINE = {
+    "task": "kv-retrieval",
+    "seq_len": 256,
+    "sequence_chunks": 4,
+    "lmhead_chunks": 4,
+    "prompts_per_step": 4,
+    "group_size": 4,
+    "micro_batch_rows": 1,
+    "threads": 1,
+}
+
+
 def build_model(vocab_size: int = len(SPECIALS) + len(ARITH_CHARS), **overrides: Any):
     """The W1 Qwen2 (or W3 with `overrides`): random init under torch seed 0, FP32, tied."""
     from grpod.engine.model import TINY_QWEN2, build_tiny_qwen2

@@ -63,6 +63,22 @@ def agree(resolve: Callable[[], T]) -> T:
     return box[0]
 
 
+def agree_refusal(mine: str | None) -> str | None:
+    """Every rank's refusal of the job before its first step (bad input: a reason, or None),
+    agreed: None when no rank refused, else this rank's own reason or the first refusing
+    rank's, named, so every rank says one line and exits 2 together."""
+    import torch.distributed as dist
+
+    from grpod.engine.parallel import join
+
+    join()
+    every: list[str | None] = [None] * world_size()
+    dist.all_gather_object(every, mine)
+    if mine is not None:
+        return mine
+    return next((f"rank {r}: {why}" for r, why in enumerate(every) if why is not None), None)
+
+
 def barrier() -> None:
     if world_size() > 1:
         import torch.distributed as dist

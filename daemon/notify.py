@@ -34,6 +34,9 @@ class Notifier:
         self._watchdog_interval = min(1.0, self.watchdog_usec / 2e6) if self.watchdog_usec else 1.0
         self._clock = clock
         self._last_watchdog: float | None = None
+        # a rank under grpod's launcher notifies the agent: each message names its local rank
+        launched = bool(env.get("GRPOD_LAUNCHER"))
+        self._tag = {"GRPOD_RANK": env.get("LOCAL_RANK", "0")} if launched else {}
 
     @property
     def enabled(self) -> bool:
@@ -43,9 +46,15 @@ class Notifier:
         """Send `KEY=value` lines in one datagram; errors are swallowed (systemd may be gone)."""
         if self._socket is None:
             return
-        text = "\n".join(f"{key}={value}" for key, value in fields.items())
+        text = "\n".join(f"{key}={value}" for key, value in {**fields, **self._tag}.items())
         with contextlib.suppress(OSError):  # a vanished notify socket must never stop training
             self._socket.sendto(text.encode(), self._address)
+
+    def register(self) -> None:
+        """Under grpod's launcher only: this rank's pid, where the agent forwards signals (a
+        MAINPID= to systemd itself would make this process the unit's main one)."""
+        if self._tag:
+            self.send(MAINPID=os.getpid())
 
     def ready(self, status: str) -> None:
         self.send(READY=1, STATUS=status)

@@ -395,11 +395,6 @@ def check_parallel(config: EngineConfig, world: int | None = None) -> str:
             f"engine.prompts_per_step: {config.prompts_per_step} groups do not split "
             f"evenly over {world} ranks"
         )
-    if config.lora.rank:
-        raise EngineError(
-            f"engine.lora: LoRA adapters are not trained under parallel = {mode!r} yet "
-            '(run one process, or parallel = "none" for a replica per rank)'
-        )
     return mode
 
 

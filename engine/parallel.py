@@ -83,9 +83,11 @@ class Parallel:
         return cls(mode, rank, world, local)
 
     def device(self, name: str) -> str:
-        """One device per rank: `cuda` under torchrun is `cuda:LOCAL_RANK`."""
-        wanted = self.distributed and name in ("cuda", "auto")
-        return f"cuda:{self.local_rank}" if wanted else name
+        """One device per rank: `cuda` under torchrun is `cuda:LOCAL_RANK`; `auto` is that
+        when CUDA is there, else the CPU (gloo), as in one process."""
+        if name == "auto" and self.distributed:
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        return f"cuda:{self.local_rank}" if self.distributed and name == "cuda" else name
 
     # ----------------------------------------------------------------- data
     def local_groups(self, prompts: list) -> tuple[list, int]:

@@ -6,6 +6,11 @@ and compare with the record: `reproduced` when loss, valid tokens and grad norm 
 bit-equal at every step, else `diverged at step k` naming the first differing field.
 Nothing in the store or the run directory is written.
 
+Bit-exact is the verdict in the topology the step was recorded in. In another one (a 2-rank
+step replayed in one process, or `--rank R` past other steps) the sums run in another order,
+so the floats are compared within REPLAY_RTOL (integer counts exactly) and the verdict says
+so: `"within 1e-6 (recorded on 2 ranks, replayed in 1 process: reduction order differs)"`.
+
 A distributed step (recorded as its global batch, `TransportBatch.part(rank)` each rank's):
 under `torchrun --nproc-per-node N grpod replay` every rank runs its own part and the global
 loss, global valid tokens and grad norm are compared; `grpod replay --rank R` (one process)
@@ -19,9 +24,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import math
 import os
-import struct
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -42,6 +45,7 @@ from grpod.engine import (
 from grpod.engine.step import decide_step
 from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.forensics.blobs import BlobStore
+from grpod.forensics.compare import REPLAY_RTOL, bit_equal, close, topology
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Step
 from grpod.forensics.ranks import RankRecord
@@ -49,12 +53,14 @@ from grpod.forensics.store import Store
 from grpod.jsonsafe import from_json, to_json
 
 COMPARED = ("valid_tokens", "loss", "grad_norm")
+
 Progress = Callable[[int, int, int], None]  # (done, total, step)
 
 
 @dataclass
 class ReplayResult:
-    reproduced: bool
+    # True: bit-exact; a str: within REPLAY_RTOL in another topology, saying which; False
+    reproduced: bool | str
     step: int
     recorded: dict[str, Any]  # COMPARED fields of the record (JSON-safe)
     replayed: dict[str, Any]  # the same fields from the replay
@@ -106,23 +112,41 @@ def replay(
     part = engine.parallel.rank if engine.parallel.world_size > 1 else None
     if rank is not None and part is not None:
         raise ForensicsError("replay: --rank R runs in one process, not under torchrun")
+    world = engine.parallel.world_size if part is not None else 1
     diverged_at = diverged_field = None
+    differs: list[str] = []  # topologies whose numbers were within the tolerance, not equal
     replayed: StepReport | None = None
     for done, item in enumerate(plan):
         is_target = done == len(plan) - 1
         mine = rank if is_target and rank is not None else part
+        if part is not None and item.report.world_size not in (1, world):
+            raise ForensicsError(
+                f"step {item.report.step}: recorded on {item.report.world_size} ranks; replay "
+                f"it under torchrun with --nproc-per-node {item.report.world_size}, or in one "
+                f"process (not on {world} ranks)"
+            )
         replayed = _rerun(engine, item, is_target, mine, alone=mine is not None and part is None)
         compared = is_target or rank is None  # --rank: the steps before run only to get there
         if compared and item.row.outcome != Outcome.SKIPPED and diverged_at is None:
             own = recorded_rank if is_target else None
-            diverged_field = _first_difference(item.report, replayed, own)
+            topology_ = topology(item.report.world_size, world, rank, len(plan))
+            diverged_field, equal = _first_difference(item.report, replayed, own, topology_)
             if diverged_field is not None:
                 diverged_at = item.report.step
+                differs = [topology_] if topology_ else []
+            elif not equal:
+                differs.append(topology_)
         if progress is not None:
             progress(done + 1, len(plan), item.report.step)
     target = plan[-1]
-    reproduced = diverged_at is None
+    reproduced: bool | str = diverged_at is None
+    if reproduced and differs:
+        reproduced = f"within {_rtol()} ({differs[-1]})"
     bad = target.row.verdict_action != Action.PASS.name or target.row.outcome != Outcome.APPLIED
+    note = _note(target, versions, rank, len(plan))
+    if diverged_at is not None:
+        how = f"beyond {_rtol()} ({differs[0]})" if differs else "not bit-exact"
+        note = "; ".join(filter(None, [f"diverged in {diverged_field}: {how}", note]))
     return ReplayResult(
         reproduced=reproduced,
         step=target.report.step,
@@ -136,7 +160,7 @@ def replay(
         checkpoint_step=checkpoint.step,
         steps_replayed=len(plan),
         incident_id=incident_id,
-        note=_note(target, versions, rank, len(plan)),
+        note=note,
         trace=(
             _trace(target.report, replayed, recorded_rank)
             if trace and replayed is not None
@@ -341,18 +365,42 @@ def _rank_of(target: _Planned, rank: int) -> RankRecord:
     for record in target.ranks:
         if record.rank == rank:
             return record
-    raise ForensicsError(f"step {target.report.step}: no rank {rank} (not a distributed step)")
+    step = target.report.step
+    if not target.ranks:
+        raise ForensicsError(
+            f"step {step}: --rank {rank}: the step ran in one process (not a distributed "
+            "step): replay it without --rank"
+        )
+    valid = ", ".join(str(r.rank) for r in sorted(target.ranks, key=lambda r: r.rank))
+    raise ForensicsError(
+        f"step {step}: no rank {rank}: it ran on {len(target.ranks)} ranks (valid: --rank {valid})"
+    )
 
 
 def _first_difference(
-    recorded: StepReport, replayed: StepReport, rank: RankRecord | None = None
-) -> str | None:
-    """The first compared field that differs (`rank`: that rank's local fields)."""
+    recorded: StepReport,
+    replayed: StepReport,
+    rank: RankRecord | None = None,
+    other_topology: str = "",
+) -> tuple[str | None, bool]:
+    """(the first compared field that differs, whether every field was bit-equal); `rank`:
+    that rank's local fields; `other_topology`: why the replay's reduction order is not the
+    record's, so floats may differ by REPLAY_RTOL (counts never)."""
     mine, theirs = _fields(recorded, rank), _fields(replayed, None, local=rank is not None)
+    equal = True
     for name in mine:
-        if not bit_equal(from_json(mine[name]), from_json(theirs[name])):
-            return name
-    return None
+        a, b = from_json(mine[name]), from_json(theirs[name])
+        if bit_equal(a, b):
+            continue
+        equal = False
+        exact = not other_topology or (isinstance(a, int) and isinstance(b, int))
+        if exact or not close(a, b):
+            return name, False
+    return None, equal
+
+
+def _rtol() -> str:
+    return f"{REPLAY_RTOL:.0e}".replace("e-0", "e-")  # 1e-6
 
 
 def _global_valid(report: StepReport) -> int:
@@ -360,16 +408,6 @@ def _global_valid(report: StepReport) -> int:
     if report.world_size == 1 or report.global_valid_tokens is None:
         return report.valid_tokens
     return report.global_valid_tokens
-
-
-def bit_equal(a: float | int, b: float | int) -> bool:
-    """Bit equality of two numbers; any NaN equals any NaN (the record keeps no payload)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    a, b = float(a), float(b)
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
-    return struct.pack("<d", a) == struct.pack("<d", b)
 
 
 def _fields(report: StepReport, rank: RankRecord | None, local: bool = False) -> dict[str, Any]:

@@ -126,7 +126,10 @@ def _replay(args: argparse.Namespace) -> int:
     where = (
         f"incident {args.incident}, step {result.step}" if args.incident else f"step {result.step}"
     )
-    verdict = "reproduced" if result.reproduced else f"diverged at step {result.diverged_at}"
+    verdict = f"diverged at step {result.diverged_at}"
+    if result.reproduced:
+        exact = result.reproduced is True
+        verdict = "reproduced" + ("" if exact else f" {result.reproduced}")
     print(f"{where}: {verdict} ({result.classification})")
     print(
         f"  from checkpoint step {result.checkpoint_step}, {result.steps_replayed} steps replayed; "

@@ -26,18 +26,59 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="keep /metrics up this long after the loop stops (/healthz answers 503)",
     )
+    from grpod.daemon import launcher
+
+    launcher.add_options(p)
     p.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from grpod.daemon.rundir import Plan, resolve_plan
-
     overrides = {}
     if args.max_steps is not None:
         overrides["max_steps"] = args.max_steps
     if args.linger is not None:
         overrides["linger_seconds"] = args.linger
+    from grpod.daemon import launcher
+
+    if launcher.launching(args):  # `--nproc-per-node N`: this process is the job's agent
+        return launcher.launch(args, overrides)
     from grpod.daemon import distributed
+
+    if distributed.world_size() == 1:
+        return _serve(_plan(args, overrides))
+    from grpod.daemon.errors import BAD_INPUT_ERRORS
+    from grpod.daemon.exitcodes import EXIT_BAD_INPUT, EXIT_HALT, EXIT_OK
+
+    # a rank: every exit goes through `leave` (no interpreter finalization under gloo) and a
+    # refusal any rank finds before the first step is every rank's, one line each, exit 2
+    from grpod.daemon.notify import Notifier
+
+    Notifier().register()  # under grpod's launcher: where the agent forwards signals
+    daemon, refusal = None, None
+    try:
+        plan = _plan(args, overrides)
+        from grpod.daemon.loop import Daemon
+
+        daemon = Daemon(plan)  # binds the metrics port (local rank 0)
+    except BAD_INPUT_ERRORS as exc:
+        refusal = str(exc)
+    refused = distributed.agree_refusal(refusal)
+    if refused is not None:
+        print(f"grpod run: error: {refused}", file=sys.stderr)
+        distributed.leave(EXIT_BAD_INPUT, together=True)
+    try:
+        code = _serve(plan, daemon)
+    except BAD_INPUT_ERRORS as exc:  # found on some ranks only (a damaged weight file)
+        print(f"grpod run: error: {exc}", file=sys.stderr)
+        code = EXIT_BAD_INPUT
+    distributed.leave(code, together=code in (EXIT_OK, EXIT_HALT))
+    return code
+
+
+def _plan(args: argparse.Namespace, overrides: dict):
+    """The start's plan (rank 0 resolves and locks it for every rank), its engine checked."""
+    from grpod.daemon import distributed
+    from grpod.daemon.rundir import Plan, resolve_plan
 
     def resolve() -> Plan:  # reads only; ConfigError -> 2
         plan = resolve_plan(args.config, args.run_dir, overrides)
@@ -54,15 +95,18 @@ def _run(args: argparse.Namespace) -> int:
     from grpod.engine.preflight import preflight
 
     preflight(plan.config.engine)  # before anything is created: EngineError -> exit 2
+    return plan
 
+
+def _serve(plan, daemon=None) -> int:
+    """The daemon's loop to its exit code; rank 0 prints where the store is."""
+    from grpod.daemon import distributed
     from grpod.daemon.exitcodes import EXIT_HALT, EXIT_OK
     from grpod.daemon.loop import Daemon
 
-    code = Daemon(plan).run()
+    code = (daemon or Daemon(plan)).run()
     if code in (EXIT_OK, EXIT_HALT) and distributed.rank() == 0:
         _print_summary(plan.run_dir.path, plan.config.forensics.store_url)
-    if distributed.world_size() > 1:
-        distributed.leave(code, together=code in (EXIT_OK, EXIT_HALT))
     return code
 
 

@@ -170,6 +170,47 @@ class Grpod:
         return [e for e in self.events if e["event"] == "step"]
 
 
+class NotifySocket:
+    """A datagram socket bound where NOTIFY_SOCKET points, collecting every message."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop:
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except TimeoutError:
+                continue
+
+    def close(self) -> None:
+        """Stop the reader, then take what is still queued (the sender has exited)."""
+        self._stop = True
+        self._thread.join(timeout=2)
+        self.sock.setblocking(False)
+        while True:
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except BlockingIOError:
+                break
+        self.sock.close()
+
+    def fields(self, key: str) -> list[str]:
+        return [
+            line.split("=", 1)[1]
+            for message in self.messages
+            for line in message.splitlines()
+            if line.startswith(f"{key}=")
+        ]
+
+
 def wait_until(
     done: Callable[[], bool],
     what: str,

@@ -7,10 +7,8 @@ import json
 import math
 import random
 import signal
-import socket
 import sqlite3
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from tests.daemon.helpers import (
     GRPOD,
     TINY_ENGINE,
     Grpod,
+    NotifySocket,
     free_port,
     http_get,
     parse_metrics,
@@ -51,47 +50,6 @@ def recorded_steps(run_dir: Path) -> list[tuple[int, str, int, dict]]:
             "SELECT step, outcome, rerun, report_json FROM steps ORDER BY id"
         ).fetchall()
     return [(step, outcome, rerun, json.loads(report)) for step, outcome, rerun, report in rows]
-
-
-class NotifySocket:
-    """A datagram socket bound where NOTIFY_SOCKET points, collecting every message."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.settimeout(0.2)
-        self.messages: list[str] = []
-        self._stop = False
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        while not self._stop:
-            try:
-                self.messages.append(self.sock.recv(4096).decode())
-            except TimeoutError:
-                continue
-
-    def close(self) -> None:
-        """Stop the reader, then take what is still queued (the sender has exited)."""
-        self._stop = True
-        self._thread.join(timeout=2)
-        self.sock.setblocking(False)
-        while True:
-            try:
-                self.messages.append(self.sock.recv(4096).decode())
-            except BlockingIOError:
-                break
-        self.sock.close()
-
-    def fields(self, key: str) -> list[str]:
-        return [
-            line.split("=", 1)[1]
-            for message in self.messages
-            for line in message.splitlines()
-            if line.startswith(f"{key}=")
-        ]
 
 
 @pytest.fixture(scope="module")

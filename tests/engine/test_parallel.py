@@ -121,20 +121,34 @@ def test_the_torchrun_environment_is_checked_before_anything_is_built(monkeypatc
         assert (one.mode, one.world_size) == ("none", 1)
 
 
-def test_config_check_under_a_sharding_world_refuses_lora(
+def test_auto_is_the_ranks_cuda_device_when_there_is_one_else_the_cpu() -> None:
+    from grpod.engine.parallel import Parallel
+
+    rank_1 = Parallel("fsdp2", rank=1, world_size=2, local_rank=1)
+    assert rank_1.device("auto") == ("cuda:1" if torch.cuda.is_available() else "cpu")
+    assert rank_1.device("cuda") == "cuda:1" and rank_1.device("cpu") == "cpu"
+    assert Parallel("none").device("auto") == "auto"  # one process: resolve_device decides
+
+
+def test_config_check_under_a_sharding_world_takes_lora_and_refuses_an_uneven_split(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    """`grpod run` preflights the same way on every rank before anything is created; `config
-    check` with torchrun's WORLD_SIZE shows it without a process group."""
+    """`grpod run` preflights the same way on every rank (and in the agent) before anything is
+    created; `config check` with torchrun's WORLD_SIZE shows it without a process group."""
     from grpod.daemon.cli import main
     from tests.daemon.helpers import write_config
 
     config = write_config(
         tmp_path / "grpod.toml", {"engine": dict(CONFIG), "engine.lora": {"rank": 4}}
     )
-    assert main(["config", "check", str(config)]) == 0  # one process: LoRA is fine
-    capsys.readouterr()
+    uneven = write_config(tmp_path / "uneven.toml", {"engine": {**CONFIG, "prompts_per_step": 3}})
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["config", "check", str(config)]) == 2
+    for parallel in ("fsdp2", "ddp"):
+        text = config.read_text().replace("[engine]\n", f'[engine]\nparallel = "{parallel}"\n')
+        config.write_text(text)
+        assert main(["config", "check", str(config)]) == 0  # LoRA under fsdp2 and ddp
+        config.write_text(text.replace(f'parallel = "{parallel}"\n', ""))
+    capsys.readouterr()
+    assert main(["config", "check", str(uneven)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "engine.lora: LoRA adapters are not trained under" in err[0], err
+    assert len(err) == 1 and "3 groups do not split evenly over 2 ranks" in err[0], err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
+import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -363,3 +364,78 @@ def test_replay_of_one_rank_compares_its_rank_row(tmp_path: Path) -> None:
         conn.execute(text("DELETE FROM step_ranks"))
     store.close()
     assert replay(tmp_path, step=0, rank=1).reproduced
+
+
+def _record_one_step(
+    run_dir: Path, checkpoint: Path, config: EngineConfig, batch: TransportBatch, report: StepReport
+) -> None:
+    """A run of one flushed step, `report` as recorded, from (a copy of) `checkpoint`."""
+    recorder = FlightRecorder(run_dir)
+    run_config = {"engine": config.model_dump(mode="json"), "guards": {}}
+    recorder.start_run("r1", run_config, {"torch": importlib.metadata.version("torch")}, "cpu")
+    path = run_dir / "checkpoints" / "step-00000000"
+    shutil.copytree(checkpoint, path)
+    recorder.note_checkpoint(0, path)
+    recorder.record(decided(batch, report, FLUSH, "flushed"))
+    recorder.close()
+
+
+def test_a_replay_in_another_topology_is_compared_within_a_stated_tolerance(
+    tmp_path: Path,
+) -> None:
+    """A 2-rank step replayed in one process: its sums run in another order, so its floats
+    are compared within 1e-6 relative (and the verdict says so), its counts exactly; beyond
+    that it diverged, naming the field; in the recorded topology bit-exact stays the verdict."""
+    torch.set_num_threads(1)
+    config = EngineConfig.model_validate(TINY)
+    engine = Engine(config)
+    checkpoint = tmp_path / "step-0"
+    engine.save_checkpoint(checkpoint, extra={"guards": {}})
+    part = engine.rollout()
+    batch = TransportBatch.concat([part, part])  # two ranks that ran the same batch
+    one = engine.accumulate(batch)  # the step in one process
+    engine.flush()
+    ranks = [
+        {
+            "rank": r,
+            "valid_tokens": one.valid_tokens // 2,
+            "expected_valid_tokens": one.valid_tokens // 2,
+            "local_loss": 0.0,
+            "num_micros": part.num_micros,
+            "num_samples": part.num_samples,
+            "phase_seconds": {},
+            "chunk_trace": [],
+        }
+        for r in (0, 1)
+    ]
+    on_2_ranks = replace(
+        one, world_size=2, global_valid_tokens=one.valid_tokens, rank_reports=ranks
+    )
+
+    def replayed(name: str, report: StepReport, **kwargs: object):
+        _record_one_step(tmp_path / name, checkpoint, config, batch, report)
+        return replay(tmp_path / name, step=0, **kwargs)
+
+    # 6e-8 relative on the grad norm: what another reduction order did (issue 26)
+    near = replayed("near", replace(on_2_ranks, grad_norm=one.grad_norm * (1 + 6e-8)))
+    assert near.reproduced == (
+        "within 1e-6 (recorded on 2 ranks, replayed in 1 process: reduction order differs)"
+    )
+    assert near.classification == "persistent" and near.field is None  # a flushed step
+    far = replayed("far", replace(on_2_ranks, grad_norm=one.grad_norm * (1 + 1e-3)))
+    assert far.reproduced is False and far.field == "grad_norm"
+    assert far.classification == "transient"
+    assert far.note.startswith("diverged in grad_norm: beyond 1e-6 (recorded on 2 ranks")
+    counts = replayed("counts", replace(on_2_ranks, global_valid_tokens=one.valid_tokens + 1))
+    assert counts.reproduced is False and counts.field == "valid_tokens"  # counts: exactly
+    # the same topology (one process) as recorded: bit-exact, one ulp is a divergence
+    ulp = replayed("ulp", replace(one, grad_norm=math.nextafter(one.grad_norm, math.inf)))
+    assert ulp.reproduced is False and ulp.field == "grad_norm"
+    assert replay(tmp_path / "near", step=0, rank=1).replayed["valid_tokens"] == (
+        one.valid_tokens // 2
+    )
+    valid = r"step 0: no rank 5: it ran on 2 ranks \(valid: --rank 0, 1\)"
+    with pytest.raises(ForensicsError, match=valid):
+        replay(tmp_path / "near", step=0, rank=5)
+    with pytest.raises(ForensicsError, match="step 0: --rank 0: the step ran in one process"):
+        replay(tmp_path / "ulp", step=0, rank=0)
