@@ -86,8 +86,9 @@ class _Layer:
     down_weight: torch.Tensor
 
 
-class _Fused:
-    """The model's parameters with projections fused, and the per-layer arithmetic."""
+class FusedModel:
+    """The model's parameters with projections fused, and the per-layer arithmetic that the
+    static decoder here and the bounded one (engine/kvdecoder.py) share."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         config = model.config
@@ -159,7 +160,7 @@ class StaticDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, rows: int, max_len: int) -> None:
-        self.fused = _Fused(model)
+        self.fused = FusedModel(model)
         self.head = model.get_output_embeddings().weight
         weight = self.fused.embed
         self.cos, self.sin = self.fused.rotary_table(max_len)

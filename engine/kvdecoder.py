@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpod.engine.fused import _Fused, rms_norm
+from grpod.engine.fused import FusedModel, rms_norm
 from grpod.engine.kvcache import CacheStats, KVCacheSpec, prefill_chunks
 
 
@@ -56,7 +56,7 @@ class BoundedDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, rows: int, max_len: int, spec: KVCacheSpec) -> None:
-        self.fused = _Fused(model)
+        self.fused = FusedModel(model)
         self.head = model.get_output_embeddings().weight
         self.spec = spec
         self.cos, self.sin = self.fused.rotary_table(max_len)
@@ -167,7 +167,7 @@ class BoundedDecoder:
 
 
 def _attention(
-    fused: _Fused, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    fused: FusedModel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`q: [n, c, heads, hd]` over `keys, values: [n, kv, L, hd]` with `mask: [n, kv, c, L]`;
     the output `[n, c, heads * hd]` and the attention weights `[n, kv, rep * c, L]`."""
