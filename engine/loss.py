@@ -38,12 +38,6 @@ def _head(
         return picked - lse, ent
 
 
-def _head_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    return _head(hidden, weight, targets, temperature, False)[0]
-
-
 def token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -77,7 +71,7 @@ def token_logprobs_entropy(
 
 class _ChunkedHead(torch.autograd.Function):
     """The head's logprobs chunk by chunk of rows, each chunk's `[rows, vocab]` logits
-    recomputed in the backward: what activation checkpointing of `_head_logprobs` per chunk
+    recomputed in the backward: what activation checkpointing of the plain `_head` per chunk
     does, without its hooks on every saved tensor (those cost ~25% of W2's training pass at
     `lmhead_chunks` 4, bench/README.md). The forward is `_head` op for op (its second output,
     the detached entropy, is empty when not asked for); the backward is the log-softmax

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpod.engine.loss import _head_logprobs, token_logprobs, token_logprobs_entropy
+from grpod.engine.loss import token_logprobs, token_logprobs_entropy
 
 
 def _inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -39,7 +39,13 @@ def test_chunked_head_matches_float64_and_plain_autograd(temperature: float) -> 
         targets,
         temperature,
     )
-    plain = _grads(_head_logprobs, hidden, weight, targets, temperature)
+    plain = _grads(  # one chunk: the plain head under autograd
+        lambda h, w, t, temp: token_logprobs(h, w, t, temperature=temp),
+        hidden,
+        weight,
+        targets,
+        temperature,
+    )
     exact = _grads(_float64, hidden.double(), weight.double(), targets, temperature)
     assert torch.equal(chunked[0], plain[0])  # the forward is the plain head, op for op
     for ours, theirs, reference in zip(chunked[1:], plain[1:], exact[1:]):
