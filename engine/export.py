@@ -10,8 +10,6 @@ DCP directory of every rank's shards) is consolidated into the same one director
 from __future__ import annotations
 
 import errno
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -24,6 +22,7 @@ from grpod.engine.inputs import BUILTIN_MODEL
 from grpod.engine.lora import apply_lora
 from grpod.engine.model import load_policy
 from grpod.engine.tasks import task_chars
+from grpod.fileio import atomic_dir
 from grpod.oneline import one_line
 
 
@@ -60,26 +59,19 @@ def export_pretrained(
     with torch.no_grad():
         for name, tensor in weights.items():
             params[name].copy_(tensor)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     if adapters is not None and not adapter:
         model = adapters.merge_and_unload()  # W + alpha / r * B A, adapters removed
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # stderr is for the one line an error gets
     try:
-        if adapter:
-            adapters.save_pretrained(tmp, safe_serialization=True)
-        else:
-            model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.to_hf().save_pretrained(tmp)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(tmp, out)
-    except BaseException as exc:  # nothing partial is left, whatever stopped the write
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not isinstance(exc, Exception):
-            raise
+        with atomic_dir(out) as tmp:  # fsynced, renamed over the empty `out`; else removed
+            if adapter:
+                adapters.save_pretrained(tmp, safe_serialization=True)
+            else:
+                model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.to_hf().save_pretrained(tmp)
+    except Exception as exc:  # nothing partial is left, whatever stopped the write
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else one_line(exc)
         if getattr(exc, "errno", None) in DISK_FULL or "os error 28" in str(exc):
             raise OSError(f"export {out}: cannot write: {reason}") from None  # exit 1
