@@ -22,8 +22,8 @@ from grpod.engine.kvcache import KVCacheSpec
 from grpod.engine.lora import apply_lora
 from grpod.engine.model import load_policy, resolve_device
 from grpod.engine.parallel import Parallel
-from grpod.engine.prompts import stop_token_ids
 from grpod.engine.rewards import RewardSet
+from grpod.engine.stop_strings import stop_token_ids
 from grpod.engine.tasks import Task, config_task
 from grpod.engine.tokenizer import require_chat_template
 

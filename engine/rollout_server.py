@@ -51,8 +51,8 @@ import torch
 
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import SamplerError
-from grpod.engine.rollout import Rollout
 from grpod.engine.rollout_vllm import CPU_KV_CACHE_BYTES, ServedModel, to_rollout, weights_to_push
+from grpod.engine.torch_sampler import Rollout
 from grpod.engine.weight_sync import CONTINUATION_TOKENS, ProbeScores, PushFaults
 from grpod.fileio import atomic_dir
 

@@ -14,7 +14,7 @@ runs the weight-sync check's probe (`engine/weight_sync.py`) in the rollout's ow
 Sampled-token logprobs are vLLM's *processed* logprobs (after temperature and top-p): the
 distribution actually sampled from. A NaN or -inf logprob vLLM returns is kept as it came
 (the finite guard flushes the step), never replaced. The result has the torch sampler's
-shape (`engine.rollout.Rollout`), so everything downstream of the `TransportBatch` is the
+shape (`engine.torch_sampler.Rollout`), so everything downstream of the `TransportBatch` is the
 same whichever backend sampled.
 """
 
@@ -29,7 +29,7 @@ import torch
 
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
-from grpod.engine.rollout import Rollout
+from grpod.engine.torch_sampler import Rollout
 from grpod.engine.weight_sync import CONTINUATION_TOKENS, ProbeScores, PushFaults
 from grpod.oneline import one_line
 

@@ -11,7 +11,7 @@ from typing import Any
 from grpod.engine.batch import TransportBatch
 from grpod.engine.config import EngineConfig
 from grpod.engine.model import load_tokenizer
-from grpod.engine.prompts import strip_stop_strings
+from grpod.engine.stop_strings import strip_stop_strings
 from grpod.engine.tasks import task_chars
 
 

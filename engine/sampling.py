@@ -1,6 +1,6 @@
 """`Sampling`: completions from the rollout copy of the policy, and the weight sync before them.
 
-The torch sampler (engine/rollout.py) runs in-process on `rollout_model`; with
+The torch sampler (engine/torch_sampler.py) runs in-process on `rollout_model`; with
 `rollout_backend = "vllm"` (engine/rollout_vllm.py) or `"vllm-server"`
 (engine/rollout_server.py) the weights are pushed into vLLM first (started on first use)
 and its rollout also scores the weight-sync probe, which the trainer checks
@@ -20,8 +20,8 @@ from grpod.engine.faults import Faults
 from grpod.engine.layout import sequence_logprobs
 from grpod.engine.parallel import Parallel
 from grpod.engine.phases import PhaseClock
-from grpod.engine.prompts import cut_at_stop_strings, strip_stop_strings
-from grpod.engine.rollout import Rollout, sample
+from grpod.engine.stop_strings import cut_at_stop_strings, strip_stop_strings
+from grpod.engine.torch_sampler import Rollout, sample
 from grpod.engine.weight_sync import ProbeScores, WeightSyncCheck, compare, probe_sequence
 
 if TYPE_CHECKING:  # imported on first use: vllm is an extra

@@ -27,11 +27,11 @@ from grpod.engine.packing import group_samples, pack
 from grpod.engine.parallel import Parallel, total_norm
 from grpod.engine.phases import PhaseClock
 from grpod.engine.report import StepReport
-from grpod.engine.rollout import Rollout
 from grpod.engine.sampling import Sampling
 from grpod.engine.stats import StepTotals, build_report, skipped_report
 from grpod.engine.tasks import Prompt
 from grpod.engine.tokenizer import encode_prompt
+from grpod.engine.torch_sampler import Rollout
 
 if TYPE_CHECKING:
     from grpod.engine.rollout_server import ServerSampler
@@ -78,7 +78,7 @@ class Engine:
       the weights, AdamW state, schedule position and data cursor.
 
     The machinery is one call away, each in its own module: construction (build.py),
-    sampling and the weight sync (sampling.py over the torch sampler, rollout.py, or vLLM),
+    sampling and the weight sync (sampling.py over the torch sampler, torch_sampler.py, or vLLM),
     packing (packing.py), the forward/backward pass and chunk loop (forward_backward.py over
     layout.py's trunk and loss.py's FP32 head and loss), the token counter and the step's
     divisor (accounting.py), the report (stats.py), the optimizer and schedule (optim.py),

@@ -9,7 +9,7 @@ import grpod.engine.fused as fused
 from grpod.engine import Engine
 from grpod.engine.fused import StaticDecoder, unsupported
 from grpod.engine.model import build_tiny_qwen2
-from grpod.engine.rollout import sample
+from grpod.engine.torch_sampler import sample
 from tests.engine.helpers import config, tiny_llama
 
 

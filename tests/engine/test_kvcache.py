@@ -13,8 +13,8 @@ from grpod.engine.errors import EngineError
 from grpod.engine.kvcache import KVCacheSpec, prefill_chunks
 from grpod.engine.model import build_tiny_qwen2
 from grpod.engine.report import KVCacheReport
-from grpod.engine.rollout import sample
 from grpod.engine.tasks import KVRetrievalTask
+from grpod.engine.torch_sampler import sample
 from tests.engine.helpers import config
 
 

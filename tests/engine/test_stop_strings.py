@@ -11,8 +11,8 @@ import torch
 
 from grpod.engine import Engine, EngineError
 from grpod.engine.export import export_pretrained
-from grpod.engine.prompts import cut_at_stop_strings, stop_token_ids, strip_stop_strings
-from grpod.engine.rollout import Rollout, sample
+from grpod.engine.stop_strings import cut_at_stop_strings, stop_token_ids, strip_stop_strings
+from grpod.engine.torch_sampler import Rollout, sample
 from tests.engine.helpers import config
 from tests.hfdir import CHAT_TEMPLATE, build_hf_dir
 

@@ -3,7 +3,7 @@
 import torch
 
 from grpod.engine import Engine
-from grpod.engine.rollout import _filter_top_p, sample
+from grpod.engine.torch_sampler import _filter_top_p, sample
 from tests.engine.helpers import config
 
 
