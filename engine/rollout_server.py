@@ -1,7 +1,7 @@
 """vLLM rollouts from a server process (`rollout_backend = "vllm-server"`).
 
 The rollout runs in vLLM's OpenAI-compatible server, off the trainer's process: either one
-that grpod starts and supervises (`ServerProcess`: its own process group, its output
+that grpod starts and supervises (`engine/vllm_server.py`: its own process group, its output
 forwarded line by line to the `vllm.server` logger, stopped with the engine; on Linux it also
 dies with the process that started it), or an existing one named by `vllm_server_url`.
 
@@ -26,23 +26,10 @@ dies with the process that started it), or an existing one named by `vllm_server
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import json
 import logging
-import os
-import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -53,158 +40,20 @@ from grpod.engine.config import EngineConfig
 from grpod.engine.errors import SamplerError
 from grpod.engine.rollout_vllm import CPU_KV_CACHE_BYTES, ServedModel, to_rollout, weights_to_push
 from grpod.engine.torch_sampler import Rollout
+from grpod.engine.vllm_server import (
+    EXIT_GRACE_SECONDS,
+    ServerClient,
+    ServerProcess,
+    free_port,
+    server_env,
+    short_json,
+)
 from grpod.engine.weight_sync import CONTINUATION_TOKENS, ProbeScores, PushFaults
 from grpod.fileio import atomic_dir
 
 SERVED_NAME = "grpod-policy"  # the model's name in requests (its path changes with every push)
-HEALTH_POLL_SECONDS = 0.25
-STOP_SECONDS = 30.0  # SIGTERM to the server's process group, then SIGKILL
-EXIT_GRACE_SECONDS = 2.0  # after a failed request: how long an exiting server may take
 MAX_REQUESTS_IN_FLIGHT = 64
 SNAPSHOT = "model.safetensors"
-_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
-_PR_SET_PDEATHSIG = 1
-
-
-class ServerClient:
-    """JSON over HTTP to one vLLM server; every failure is one `SamplerError` line."""
-
-    def __init__(self, url: str, timeout_seconds: float) -> None:
-        self.url = url.rstrip("/")
-        self.timeout = timeout_seconds
-        # the explanation of a failure that the caller knows more about (the process exited)
-        self.explain: Callable[[], str] = lambda: ""
-
-    def post(self, route: str, body: dict[str, Any] | None = None) -> Any:
-        """POST `body` as JSON to `route`; the decoded answer (None when it has no body)."""
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + route,
-            data=data if data is not None else b"",
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        return self._send(route, request)
-
-    def get(self, route: str, *, timeout: float | None = None) -> Any:
-        return self._send(route, urllib.request.Request(self.url + route), timeout)
-
-    def _send(self, route: str, request: urllib.request.Request, timeout: float | None = None):
-        try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as answer:
-                raw = answer.read()
-        except urllib.error.HTTPError as exc:
-            raise self.error(route, f"answered HTTP {exc.code}: {_error_text(exc)}") from None
-        except TimeoutError:
-            raise self.error(route, f"no answer within {timeout or self.timeout:g} s") from None
-        except urllib.error.URLError as exc:
-            if isinstance(exc.reason, (TimeoutError, socket.timeout)):
-                raise self.error(route, f"no answer within {timeout or self.timeout:g} s") from None
-            raise self.error(route, _reason(exc.reason)) from None
-        except (ConnectionError, OSError) as exc:  # a reset or a closed socket mid-answer
-            raise self.error(route, _reason(exc)) from None
-        if not raw.strip():
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise self.error(route, f"answered something that is not JSON: {raw[:80]!r}") from None
-
-    def error(self, route: str, what: str) -> SamplerError:
-        extra = self.explain()
-        return SamplerError(f"rollout server {self.url}: {route}: {what}{extra}")
-
-
-class ServerProcess:
-    """A vLLM OpenAI server that grpod started: its own process group (a stop reaches its
-    engine and workers), its output forwarded line by line to `logger`."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], logger: logging.Logger) -> None:
-        self.argv = argv
-        self.logger = logger
-        self.last_lines: collections.deque[str] = collections.deque(maxlen=20)
-        self.process = subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-        )
-        self._reader = threading.Thread(target=self._forward, name="vllm-server-log", daemon=True)
-        self._reader.start()
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def exit_status(self) -> int | None:
-        return self.process.poll()
-
-    def wait_exit(self, seconds: float) -> int | None:
-        """The exit status, waiting up to `seconds` for it; None: still running."""
-        try:
-            return self.process.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def wait_ready(self, client: ServerClient, timeout_seconds: float) -> None:
-        """Until `/health` answers 200; a server that exits or is not up in time: SamplerError."""
-        deadline = time.monotonic() + timeout_seconds
-        while True:
-            status = self.exit_status()
-            if status is not None:
-                self._reader.join(timeout=5)  # its last lines say why
-                raise SamplerError(
-                    f"rollout server {client.url}: exited with status {status} while "
-                    f"starting{self.last_error()}"
-                )
-            try:
-                client.get("/health", timeout=5)
-                return
-            except SamplerError:
-                if time.monotonic() >= deadline:
-                    raise SamplerError(
-                        f"rollout server {client.url}: not up within {timeout_seconds:g} s "
-                        f"(vllm_server_start_timeout_seconds){self.last_error()}"
-                    ) from None
-            time.sleep(HEALTH_POLL_SECONDS)
-
-    def last_error(self) -> str:
-        """The server's last error line (or last line), for a failure's message."""
-        lines = list(self.last_lines)
-        errors = [line for line in lines if _LEVEL.search(line[:80] or "") and "ERROR" in line]
-        line = (errors or lines or [""])[-1]
-        return f": {line}" if line else ""
-
-    def stop(self, timeout_seconds: float = STOP_SECONDS) -> None:
-        """SIGTERM to the server's process group, SIGKILL to what is left after the timeout."""
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=timeout_seconds)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)  # its engine core and workers too
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=timeout_seconds)
-        self._reader.join(timeout=5)
-        deadline = time.monotonic() + timeout_seconds  # until its orphans are reaped too
-        while group_alive(self.process.pid) and time.monotonic() < deadline:
-            time.sleep(HEALTH_POLL_SECONDS)
-
-    def _forward(self) -> None:
-        assert self.process.stdout is not None
-        for raw in self.process.stdout:
-            line = " ".join(raw.split())
-            if not line:
-                continue
-            self.last_lines.append(line)
-            level = _LEVEL.search(line[:80])
-            self.logger.log(getattr(logging, level.group(1)) if level else logging.INFO, line)
 
 
 class ServerSampler:
@@ -226,7 +75,7 @@ class ServerSampler:
         url = config.vllm_server_url
         if not url:
             host = config.vllm_server_host
-            port = config.vllm_server_port or _free_port(host)
+            port = config.vllm_server_port or free_port(host)
             url = f"http://{host}:{port}"
         self.client = ServerClient(url, config.vllm_server_timeout_seconds)
         try:
@@ -263,7 +112,7 @@ class ServerSampler:
             },
         )
         if not isinstance(answer, dict) or "results" not in answer:
-            raise self.client.error("/collective_rpc", f"answered {_short(answer)} to a reload")
+            raise self.client.error("/collective_rpc", f"answered {short_json(answer)} to a reload")
         previous, self._snapshot = self._snapshot, snapshot
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
@@ -324,7 +173,7 @@ class ServerSampler:
     def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
         answer = self.client.post("/v1/completions", body)
         if not isinstance(answer, dict) or not answer.get("choices"):
-            raise self._garbage(f"{_short(answer)}, not a completion")
+            raise self._garbage(f"{short_json(answer)}, not a completion")
         return answer
 
     def _sampled(self, answer: dict[str, Any]) -> tuple[list[int], list[float]]:
@@ -409,25 +258,6 @@ def server_argv(config: EngineConfig, served: ServedModel, url: str) -> list[str
     return argv + list(config.vllm_server_args)
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether any process of the process group `pgid` is left."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def server_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CPU: beside the trainer, unpinned
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the colocated sampler's setting
-    return env
-
-
 def math_float(value: Any) -> float:
     """A JSON logprob as a float: NaN and infinities as the server wrote them."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -458,41 +288,5 @@ def _completion(prompt: list[int], **params: Any) -> dict[str, Any]:
     }
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _server_logger() -> logging.Logger:
     return logging.getLogger("vllm.server")
-
-
-def _die_with_parent() -> None:
-    """In the server's process: SIGTERM when grpod's process dies (even by SIGKILL)."""
-    import ctypes
-
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _error_text(exc: urllib.error.HTTPError) -> str:
-    try:
-        body = json.loads(exc.read() or b"{}")
-        message = body.get("error", {}).get("message") or body.get("detail") or body
-    except Exception:
-        message = exc.reason
-    return " ".join(str(message).split())[:200]
-
-
-def _reason(reason: Any) -> str:
-    if isinstance(reason, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(reason, OSError) and reason.strerror:
-        return reason.strerror.lower()
-    return " ".join(str(reason).split()) or type(reason).__name__
-
-
-def _short(answer: Any) -> str:
-    text = " ".join(json.dumps(answer, default=str).split())
-    return text if len(text) <= 80 else text[:77] + "..."

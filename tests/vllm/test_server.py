@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from grpod.engine.rollout_server import group_alive
+from grpod.engine.vllm_server import group_alive
 from tests.daemon.helpers import Grpod, cli, write_config
 
 MAIN_GRPOD = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "grpod"
