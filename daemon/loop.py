@@ -262,6 +262,7 @@ class Daemon:
     def _loop(self) -> int:
         max_steps = self.config.daemon.max_steps
         every = self.config.daemon.checkpoint_every
+        self.engine.set_horizon(max_steps)  # async steps sample nothing past the last step
         while not distributed.agree_stop(self.signals.stop_requested) and not (
             max_steps and self.engine.step >= max_steps
         ):
@@ -310,6 +311,7 @@ class Daemon:
             result = self._unsampled_step(exc)
         self.signals.abortable = False
 
+        result = dataclasses.replace(result, ahead=engine.take_ahead_stats())
         rerun = result.step <= self.last_recorded
         # every rank's own numbers before the gather: once rank 0's grpod_step moves, a
         # scrape never sees a rank's a step behind
@@ -345,6 +347,10 @@ class Daemon:
             fields["weight_version"] = report.weight_version
         if report.weight_sync_max_abs_logprob_diff is not None:
             fields["weight_sync_max_abs_logprob_diff"] = report.weight_sync_max_abs_logprob_diff
+        if report.staleness is not None:
+            fields["staleness"] = report.staleness
+        for dropped in result.ahead.dropped if result.ahead is not None else ():
+            self.log.warning("rollout dropped", **dataclasses.asdict(dropped))
         if report.reward_functions:
             fields["rewards"] = report.reward_functions
         if self.config.daemon.log_samples:

@@ -32,6 +32,8 @@ from grpod.engine.verdict import Outcome
 if TYPE_CHECKING:  # engine.step imports the Engine (torch): a type here, not an import
     from grpod.engine.step import StepResult
 
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8)  # max_staleness is at most 8 (engine config)
+DROP_REASONS = ("stale",)  # engine/ahead.py
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # gauge name -> StepReport field (None in the report -> NaN on the gauge)
@@ -162,6 +164,28 @@ class Metrics(_Labelled):
             buckets=PHASE_BUCKETS,
             registry=registry,
         )
+        # async steps (engine/ahead.py); an on-policy step's staleness is 0
+        self.rollout_staleness = Histogram(
+            "grpod_rollout_staleness_steps",
+            "Weight versions between the policy that sampled a trained batch and the policy "
+            "that trains on it (0: on-policy)",
+            buckets=STALENESS_BUCKETS,
+            registry=registry,
+        )
+        self.rollout_dropped_total = Counter(
+            "grpod_rollout_dropped_total",
+            "Rollouts dropped instead of trained on (stale: older than max_staleness)",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in DROP_REASONS:
+            self.rollout_dropped_total.labels(reason)
+        self.rollout_overlap_seconds_total = Counter(
+            "grpod_rollout_overlap_seconds_total",
+            "Seconds of rollout sampling that ran while the trainer worked (async steps with "
+            "a vllm-server)",
+            registry=registry,
+        )
         self.completion_tokens_total = Counter(
             "grpod_completion_tokens_total", "Completion tokens sampled", registry=registry
         )
@@ -246,6 +270,12 @@ class Metrics(_Labelled):
         synced = phase_seconds.get("sync", 0.0) + phase_seconds.get("sync_check", 0.0)
         if synced > 0.0:
             self.weight_sync_seconds.observe(synced)
+        if report.weight_version is not None:
+            self.rollout_staleness.observe(report.staleness or 0)
+        if result.ahead is not None:
+            self.rollout_overlap_seconds_total.inc(result.ahead.overlap_seconds)
+            for dropped in result.ahead.dropped:
+                self._child(self.rollout_dropped_total, dropped.reason).inc()
         if not report.skipped_compute:
             self.completions_total.inc(report.num_samples)
             self.completion_tokens_total.inc(

@@ -75,6 +75,9 @@ class TransportBatch:
     # batch recorded before versions), and the weight-sync check of a separate sampler (vLLM)
     weight_version: int | None = None
     weight_sync: WeightSyncCheck | None = None
+    # max_staleness > 0 (engine/ahead.py): the policy's version when this batch trains minus
+    # `weight_version`; None for an on-policy step (0 by construction)
+    staleness: int | None = None
     # a trainer whose rows are [left-padded prompt | right-padded completion] (TRL): each
     # micro's (prompt columns, completion columns), so its own inputs can be rebuilt exactly;
     # () for grpod's packed rows
@@ -219,6 +222,8 @@ class TransportBatch:
             metadata["weight_version"] = str(self.weight_version)
         if self.weight_sync is not None:
             metadata["weight_sync"] = self.weight_sync.to_json()
+        if self.staleness is not None:  # absent on-policy: those digests are unchanged
+            metadata["staleness"] = str(self.staleness)
         if self.segments:  # absent for packed rows: their digest is unchanged
             metadata["segments"] = json.dumps([list(s) for s in self.segments])
         return metadata
@@ -320,6 +325,7 @@ def _provenance(metadata: dict[str, str]) -> dict[str, Any]:
     faults, order = metadata.get("injected_faults", ""), metadata.get("micro_order", "")
     kv_cache, kv_stats = metadata.get("kv_cache"), metadata.get("kv_cache_stats")
     version, check = metadata.get("weight_version"), metadata.get("weight_sync")
+    staleness = metadata.get("staleness")
     return {
         "generation": int(metadata.get("generation", "0")),
         "injected_faults": tuple(faults.split(",")) if faults else (),
@@ -329,6 +335,7 @@ def _provenance(metadata: dict[str, str]) -> dict[str, Any]:
         "function_rewards": json.loads(metadata.get("function_rewards", "{}")),
         "weight_version": None if version is None else int(version),
         "weight_sync": WeightSyncCheck.from_json(check) if check else None,
+        "staleness": None if staleness is None else int(staleness),
         "segments": tuple((int(p), int(c)) for p, c in json.loads(metadata.get("segments", "[]"))),
         **_ranks({k: json.loads(v) for k, v in metadata.items() if k in RANK_KEYS}),
     }

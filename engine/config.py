@@ -48,6 +48,11 @@ class FaultsConfig(BaseModel):
         default_factory=list,
         description="vllm: the push's last untied matrix arrives shifted by one element",
     )
+    stale_rollout_steps: list[int] = Field(
+        default_factory=list,
+        description="max_staleness > 0: the step's rollout is sampled one step earlier than "
+        "its bound allows (a sampler that ran ahead): it arrives too old and must be dropped",
+    )
     ranks: list[int] = Field(
         default_factory=list,
         description="under torchrun: the ranks the faults fire on; empty = every rank",
@@ -62,6 +67,7 @@ class FaultsConfig(BaseModel):
                 self.sentinel_logprob_steps,
                 self.equal_reward_steps,
                 self.loss_spike_steps,
+                self.stale_rollout_steps,
                 *self.weight_sync_steps,
             )
         )
@@ -197,6 +203,14 @@ class EngineConfig(BaseModel):
     vllm_server_start_timeout_seconds: float = Field(
         900.0, gt=0.0, description="vllm-server: the longest wait for grpod's server to be up"
     )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=8,
+        description="async steps: rollouts for steps N+1..N+k are sampled while step N trains "
+        "(overlapped with a vllm-server); a batch more than k weight versions old is dropped; "
+        "0 = on-policy (each step samples with the weights it trains)",
+    )
     weight_sync_probe_tokens: int = Field(
         256,
         ge=16,
@@ -301,7 +315,21 @@ class EngineConfig(BaseModel):
             raise ValueError("vllm_server_*: need rollout_backend = 'vllm-server'")
         if "" in self.stop:
             raise ValueError("stop strings must not be empty")
+        self._check_staleness()
         return self
+
+    def _check_staleness(self) -> None:
+        if self.max_staleness == 0:
+            if self.faults.stale_rollout_steps:
+                raise ValueError("faults stale_rollout_steps: needs max_staleness > 0")
+            return
+        if self.tis_cap <= 0:
+            raise ValueError(
+                f"max_staleness = {self.max_staleness} trains on batches sampled by older "
+                "weights: it needs importance correction (tis_cap > 0)"
+            )
+        if self.epochs > 1:
+            raise ValueError("max_staleness > 0 with epochs > 1 is not supported")
 
     def _check_kv_retrieval(self) -> None:
         low, high = self.kv_retrieval_records
@@ -387,6 +415,10 @@ def check_parallel(config: EngineConfig, world: int | None = None) -> str:
         raise EngineError(
             "engine.rollout_backend: vllm-server is not run under torchrun yet "
             "(one process, or rollout_backend = 'vllm' colocated per rank)"
+        )
+    if config.max_staleness and world > 1:
+        raise EngineError(
+            "engine.max_staleness: async steps are not run under torchrun yet (one process)"
         )
     if mode == "none":
         return mode

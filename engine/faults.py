@@ -41,6 +41,7 @@ class Faults:
             "sync-skip": config.weight_sync_skip_steps,
             "sync-stale-cache": config.weight_sync_stale_cache_steps,
             "sync-corrupt": config.weight_sync_corrupt_steps,
+            "stale-rollout": config.stale_rollout_steps,
         }
         self._steps = {name: frozenset(s if self.active else ()) for name, s in steps.items()}
 
@@ -90,6 +91,11 @@ class Faults:
             keep_prefix_cache=step in self._steps["sync-stale-cache"],
             corrupt=step in self._steps["sync-corrupt"],
         )
+
+    def early_rollout(self, step: int) -> bool:
+        """stale-rollout: step `step`'s rollout is launched one step before the
+        max_staleness window reaches it (engine/ahead.py), so it arrives a version too old."""
+        return step in self._steps["stale-rollout"]
 
     def grads(self, step: int, grads: list[torch.Tensor]) -> None:
         """The step's scaled gradients; inf-grad: one element of the first is inf (in place)."""

@@ -110,6 +110,7 @@ class StepReport:
     # the weights the rollout sampled with (engine/weight_sync.py; from the batch)
     weight_version: int | None = None
     weight_sync_max_abs_logprob_diff: float | None = None  # nats; None: no separate sampler
+    staleness: int | None = None  # max_staleness > 0: versions behind the policy (the batch's)
 
     SCALARS = (
         "valid_tokens",

@@ -161,6 +161,7 @@ def _batch_stats(batch: TransportBatch) -> dict[str, Any]:
         "kv_cache": _kv_cache(batch),
         "reward_functions": reward_stats(batch.function_rewards),
         "weight_version": batch.weight_version,
+        "staleness": batch.staleness,
         "weight_sync_max_abs_logprob_diff": None
         if batch.weight_sync is None
         else batch.weight_sync.max_abs_diff,

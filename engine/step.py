@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from grpod.engine.ahead import AheadStats
 from grpod.engine.batch import TransportBatch
 from grpod.engine.report import StepReport
 from grpod.engine.trainer import Engine
@@ -43,14 +44,16 @@ class StepPolicy(Protocol):
 @dataclass(frozen=True)
 class StepResult:
     """A decided step: the batch as run (reordered if a before-hook did), the engine's report,
-    the verdict, what became of the update, and the wall-clock seconds of each phase
-    (the engine's rollout, score, grad, optim, and the policy's guards)."""
+    the verdict, what became of the update, the wall-clock seconds of each phase
+    (the engine's rollout, score, grad, optim, and the policy's guards), and with async
+    steps what the rollout window did (engine/ahead.py; the daemon adds it)."""
 
     batch: TransportBatch
     report: StepReport
     verdict: Verdict
     outcome: Outcome
     phase_seconds: Mapping[str, float]
+    ahead: AheadStats | None = None
 
     @property
     def step(self) -> int:

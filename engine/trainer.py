@@ -13,6 +13,7 @@ import torch
 from grpod.engine import distcp, state
 from grpod.engine.accounting import token_scale
 from grpod.engine.advantages import group_advantages
+from grpod.engine.ahead import Ahead, AheadStats
 from grpod.engine.batch import TransportBatch
 from grpod.engine.build import build_parts
 from grpod.engine.config import EngineConfig
@@ -27,7 +28,7 @@ from grpod.engine.packing import group_samples, pack
 from grpod.engine.parallel import Parallel, total_norm
 from grpod.engine.phases import PhaseClock
 from grpod.engine.report import StepReport
-from grpod.engine.sampling import Sampling
+from grpod.engine.sampling import Pending, Sampling
 from grpod.engine.stats import StepTotals, build_report, skipped_report
 from grpod.engine.tasks import Prompt
 from grpod.engine.tokenizer import encode_prompt
@@ -112,6 +113,17 @@ class Engine:
         self.config_digest = config.digest()
         self.cursor = DataCursor()
         self._pending: StepReport | None = None
+        # max_staleness > 0: the rollouts of the next steps, sampled ahead (engine/ahead.py)
+        self.ahead = (
+            Ahead(
+                config.max_staleness,
+                self._launch,
+                lambda: self.weight_version,
+                self.faults.early_rollout,
+            )
+            if config.max_staleness
+            else None
+        )
 
     @property
     def step(self) -> int:
@@ -153,18 +165,17 @@ class Engine:
         if cfg.epochs > 1 and cached is not None and cached.generation == generation:
             return replace(cached, step=step)  # same samples, same old logprobs: epoch > 1
         with self.clock.timed("rollout"):
-            prompts = self.task.prompts_for_step(generation, cfg.prompts_per_step, cfg.seed)
-            prompts, first = self.parallel.local_groups(prompts)  # whole groups per rank
-            prompt_ids = [self.encode_prompt(p.text) for p in prompts]
             try:
-                out, completions, texts = self.generate(
-                    [ids for ids in prompt_ids for _ in range(cfg.group_size)],
-                    step_seed(cfg.seed, generation, self.parallel.rank),
-                    step=step,
-                )
+                if self.ahead is None:  # on-policy: sampled now, with the weights it trains
+                    pending, staleness = self._launch(step), None
+                else:
+                    pending, staleness = self.ahead.take(step)
+                out, completions, texts = self.sampling.finish(pending.result())
             except SamplerError as exc:  # the prompts in flight, unsampled, for its incident
+                prompts, first, prompt_ids = self._step_prompts(step)
                 exc.batch = self._unsampled(prompt_ids, first)
                 raise
+            prompts, first, prompt_ids = pending.inputs
             rewards, function_rewards, failure = self._score_rewards(prompts, texts, first)
             rewards = faults.rewards(step, rewards, cfg.group_size)
             advantages, _ = group_advantages(
@@ -172,6 +183,12 @@ class Engine:
             )
             advantages = faults.advantages(step, advantages)
             batch = self._pack(out, prompt_ids, completions, rewards, advantages, first)
+            batch = replace(
+                batch,
+                weight_version=pending.version,
+                weight_sync=pending.weight_sync,
+                staleness=staleness,
+            )
             if function_rewards:
                 batch = replace(batch, function_rewards=function_rewards)
             if failure is not None:
@@ -182,6 +199,35 @@ class Engine:
                 batch = replace(batch, old_logprobs=self.score(batch))
             self.cursor.rollout_cache = batch
         return batch
+
+    def take_ahead_stats(self) -> AheadStats | None:
+        """max_staleness > 0: the rollout seconds overlapped with training and the rollouts
+        dropped since the last take (engine/ahead.py); None for on-policy steps."""
+        return None if self.ahead is None else self.ahead.take_stats()
+
+    def set_horizon(self, steps: int | None) -> None:
+        """No rollout is sampled ahead for a step at or past `steps` (the run's max_steps)."""
+        if self.ahead is not None:
+            self.ahead.horizon = steps or None
+
+    def _step_prompts(self, step: int) -> tuple[list[Prompt], int, list[list[int]]]:
+        """Step `step`'s prompts (this rank's whole groups), the first group's index, ids."""
+        cfg = self.config
+        prompts = self.task.prompts_for_step(step // cfg.epochs, cfg.prompts_per_step, cfg.seed)
+        prompts, first = self.parallel.local_groups(prompts)  # whole groups per rank
+        return prompts, first, [self.encode_prompt(p.text) for p in prompts]
+
+    def _launch(self, step: int) -> Pending:
+        """Step `step`'s rollout at the policy's weights now (engine/sampling.py `submit`)."""
+        cfg = self.config
+        prompts, first, prompt_ids = self._step_prompts(step)
+        pending = self.sampling.submit(
+            [ids for ids in prompt_ids for _ in range(cfg.group_size)],
+            step_seed(cfg.seed, step // cfg.epochs, self.parallel.rank),
+            step=step,
+        )
+        pending.inputs = (prompts, first, prompt_ids)
+        return pending
 
     def accumulate(
         self, batch: TransportBatch, global_valid_tokens: int | None = None
@@ -345,7 +391,6 @@ class Engine:
             kv_cache=self.kv_cache,
             kv_cache_stats=out.cache_stats,
             weight_version=self.weight_version,
-            weight_sync=self.weight_sync if self.vllm is not None else None,
         )
         if self.parallel.distributed:
             batch = replace(batch, rank=self.parallel.rank, world_size=self.parallel.world_size)
@@ -361,8 +406,8 @@ class Engine:
             torch.zeros((n, 0), dtype=torch.bool),
         )
         nan = torch.full((n,), math.nan)
-        batch = self._pack(nothing, prompt_ids, [[] for _ in range(n)], nan, nan, first_group)
-        return replace(batch, weight_sync=None)  # no check of this push came back
+        # no check of this push came back
+        return self._pack(nothing, prompt_ids, [[] for _ in range(n)], nan, nan, first_group)
 
     def _check_accumulate(self, batch: TransportBatch) -> None:
         if self._pending is not None:
@@ -403,6 +448,8 @@ class Engine:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore `state_dict()`; a state that does not fit this engine is an EngineError."""
         state.load_state_dict(state_dict, self.model, self.optimizer, self.scheduler, self.cursor)
+        if self.ahead is not None:  # sampled from weights this state replaces
+            self.ahead.clear()
 
     def trained_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """What a checkpoint holds of the model: every trainable parameter (all of them, or
