@@ -102,9 +102,9 @@ def agree_stop(requested: bool) -> bool:
     """True on every rank when a stop was asked of any (the agent signals all of them)."""
     if world_size() == 1:
         return requested
-    from grpod.guards import distributed
+    from grpod import collectives
 
-    return bool(distributed.all_reduce_max(int(requested)))
+    return bool(collectives.all_reduce_max(int(requested)))
 
 
 def gather_step(result: StepResult) -> StepResult | None:

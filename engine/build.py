@@ -22,6 +22,7 @@ from grpod.engine.kvcache import KVCacheSpec
 from grpod.engine.lora import apply_lora
 from grpod.engine.model import load_policy, resolve_device
 from grpod.engine.parallel import Parallel
+from grpod.engine.rewardcall import NonFinite
 from grpod.engine.rewards import RewardSet
 from grpod.engine.stop_strings import stop_token_ids
 from grpod.engine.tasks import Task, config_task
@@ -58,7 +59,13 @@ def build_parts(config: EngineConfig, parallel: Parallel) -> EngineParts:
     adapters = apply_lora(model, config.lora, config.seed) if config.lora.rank else None
     model.to(device)
     require_chat_template(tokenizer, config.prompt_format)
-    rewards = RewardSet(task, config.rewards, config.reward_weights, config.reward_timeout_seconds)
+    rewards = RewardSet(  # a NaN reward is the step's fault: the finite guard flushes it
+        task,
+        config.rewards,
+        config.reward_weights,
+        config.reward_timeout_seconds,
+        non_finite=NonFinite.PASS,
+    )
     stops = stop_token_ids(tokenizer, model)
     trained = copy.deepcopy(model) if parallel.sharded else model
     flat_weights = flatten_parameters(model)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from grpod.engine.errors import EngineError
+from grpod.engine.rewardcall import NonFinite
 from grpod.engine.rewards import RewardSet
 from grpod.engine.tasks import config_task
 from grpod.engine.tokenizer import encode_prompt
@@ -46,8 +47,12 @@ class Evaluator:
             raise EngineError("eval: no eval_task configured")
         self.engine = engine
         self.task = config_task(cfg, cfg.eval_task)
-        self.rewards = RewardSet(
-            self.task, cfg.rewards, cfg.reward_weights, cfg.reward_timeout_seconds
+        self.rewards = RewardSet(  # a NaN reward makes the eval's mean NaN (rewardcall.py)
+            self.task,
+            cfg.rewards,
+            cfg.reward_weights,
+            cfg.reward_timeout_seconds,
+            non_finite=NonFinite.PASS,
         )
         self.prompts = self.task.prompts_for_step(0, cfg.eval_samples, cfg.seed)
         self.prompt_ids = [

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from grpod import torchrun
+from grpod import collectives, torchrun
 from grpod.engine.config import check_parallel
 from grpod.engine.trunk import hf_states, trunk_hidden
 
@@ -183,31 +183,25 @@ class Parallel:
         """Every rank's `values` (float64: integer counts stay exact below 2**53)."""
         if not self.distributed:
             return [list(values)]
-        mine = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
+        mine = torch.tensor(values, dtype=torch.float64, device=collectives.comm_device())
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(out, mine)
         return [t.tolist() for t in out]
 
     def worst(self, norm: float) -> float:
         """DDP: the largest of every replica's `norm` (NaN if any is NaN), so a rank whose
-        gradients went bad after the all-reduce decides for all; else `norm` itself."""
+        gradients went bad after the all-reduce decides for all; else `norm` itself. Gathered,
+        not `collectives.all_reduce_max`: a MAX all-reduce need not propagate a NaN."""
         if not self.replicated:
             return norm
         norms = [value for (value,) in self.gather([norm])]
         return math.nan if any(math.isnan(n) for n in norms) else max(norms)
 
     def max_int(self, value: int) -> int:
-        """The max of `value` over every rank."""
-        if not self.distributed:
-            return value
-        tensor = torch.tensor([value], dtype=torch.int64, device=self._comm_device())
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return int(tensor.item())
-
-    def _comm_device(self) -> torch.device:
-        if dist.get_backend() == "nccl":  # NCCL alone reduces device tensors only
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        """The max of `value` over every rank of a data-parallel job; `value` itself under
+        `parallel = "none"`, where each rank is its own replica (a group may still be up for
+        the guards)."""
+        return collectives.all_reduce_max(value) if self.distributed else value
 
 
 def join() -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
 import struct
 import subprocess
@@ -25,7 +24,7 @@ from typing import Any
 
 from grpod.engine.config import VLLM_BACKENDS, EngineConfig, check_parallel
 from grpod.engine.errors import EngineError
-from grpod.engine.rewardcall import call_reward
+from grpod.engine.rewardcall import NonFinite
 from grpod.engine.tasks import Prompt, Task, config_task, load_reward
 from grpod.engine.tokenizer import CharTokenizer, encode_prompt, require_chat_template
 
@@ -183,25 +182,20 @@ def _eval_samples(config: EngineConfig, prompts: list[Prompt] | None) -> None:
 
 def _reward_once(config: EngineConfig, task: Task) -> None:
     """Each reward (the task's, `reward` or every `rewards` entry) imported and called on the
-    first prompt with its answer as the completion."""
+    first prompt with its answer as the completion, as the run calls it (`Task.score`); a
+    NaN or inf there is bad input (`NonFinite.REFUSE`)."""
     prompts = getattr(task, "prompts", None) or task.prompts_for_step(0, 1, config.seed)
     first = prompts[0]
-    functions = [(spec, load_reward(spec)) for spec in config.rewards] or [
-        (config.reward or "the task's reward", task.reward_fn)
-    ]
-    for name, fn in functions:
-        value = call_reward(
-            fn,
-            name,
-            first.text,
+    for spec in config.rewards or [""]:  # "": the task's own reward
+        task.score(
+            first,
             first.answer,
-            first.answer,
-            where="",
-            sample=0,
-            timeout_seconds=config.reward_timeout_seconds,
+            0,
+            load_reward(spec) if spec else None,
+            spec,
+            config.reward_timeout_seconds,
+            non_finite=NonFinite.REFUSE,
         )
-        if not math.isfinite(value):
-            raise EngineError(f"reward {name}: returned {value} on {first.where(0)}")
 
 
 def _check_vllm(config: EngineConfig) -> None:

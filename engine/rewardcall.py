@@ -1,5 +1,7 @@
 """One call of a reward function: a real number back within `reward_timeout_seconds`, or a
-`RewardError` naming the function, the sample, the prompt and the reason.
+`RewardError` naming the function, the sample, the prompt and the reason. Preflight, the
+run and the held-out eval all call rewards through `call_reward`; what a NaN or infinite
+value is differs between them, and each says which `NonFinite` policy it takes.
 
 Any real scalar is a number: Python's int and float, numpy's scalar types (float32 included),
 and 0-d numpy arrays and torch tensors of a real dtype; bool and complex are
@@ -10,6 +12,8 @@ call that never returns to the interpreter; off the main thread there is no limi
 
 from __future__ import annotations
 
+import enum
+import math
 import numbers
 import signal
 import threading
@@ -19,6 +23,21 @@ from typing import Any
 
 from grpod.engine.errors import RewardError
 from grpod.oneline import one_line
+
+
+class NonFinite(enum.Enum):
+    """What a reward's NaN or infinite value is (a real number all the same, unlike a string).
+
+    - `REFUSE`: bad input, a `RewardError` (exit 2). Preflight: a reward that is not finite on
+      the first prompt with its own answer would poison every step; nothing is created.
+    - `PASS`: the value itself. The run: a step fault, not the input's; the step's rewards
+      carry it to the `finite` guard, which flushes the step (weights untouched, the step
+      and its batch recorded), never an exit. The eval: the mean it enters is NaN, stored
+      and published as that eval's value (no warning, no stop; an eval trains nothing).
+    """
+
+    REFUSE = "refuse"
+    PASS = "pass"
 
 
 class RewardTimeout(BaseException):
@@ -66,10 +85,12 @@ def call_reward(
     *,
     where: str,
     sample: int,
+    non_finite: NonFinite,
     timeout_seconds: float = 0.0,
 ) -> float:
-    """`fn(prompt, completion, answer)` as a float (NaN and inf pass: the `finite` guard flushes
-    them); `where` names the sample in errors ("task t.jsonl: ... on sample 5")."""
+    """`fn(prompt, completion, answer)` as a float; a NaN or inf as `non_finite` says (the
+    caller's decision, see `NonFinite`); `where` names the sample in errors ("task t.jsonl:
+    ... on sample 5")."""
     about = f"on sample {sample} (prompt {prompt[:40]!r})"
     try:
         with time_limit(timeout_seconds):
@@ -89,6 +110,12 @@ def call_reward(
     if number is None:
         raise RewardError(
             f"{where}reward {name} returned {type(value).__name__}, not a number, {about}",
+            reward=name,
+            sample=sample,
+        )
+    if non_finite is NonFinite.REFUSE and not math.isfinite(number):
+        raise RewardError(
+            f"{where}reward {name} returned {number}, not a finite number, {about}",
             reward=name,
             sample=sample,
         )

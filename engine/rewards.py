@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpod.engine.rewardcall import NonFinite
 from grpod.engine.tasks import Prompt, RewardFn, Task, load_reward
 
 
@@ -26,10 +27,17 @@ class RewardSet:
     """The step's rewards: `score` -> the weighted total and each function's value."""
 
     def __init__(
-        self, task: Task, specs: list[str], weights: list[float], timeout_seconds: float = 0.0
+        self,
+        task: Task,
+        specs: list[str],
+        weights: list[float],
+        timeout_seconds: float = 0.0,
+        *,
+        non_finite: NonFinite,
     ) -> None:
         self.task = task
         self.timeout_seconds = timeout_seconds  # per call (engine/rewardcall.py)
+        self.non_finite = non_finite  # what a NaN or inf is: the run's or the eval's decision
         weights = weights or [1.0] * len(specs)
         self.functions = [
             RewardFunction(spec, load_reward(spec), w) for spec, w in zip(specs, weights)
@@ -48,7 +56,11 @@ class RewardSet:
         if not self.functions:
             values = [
                 self.task.score(
-                    prompts[i // group_size], text, first + i, timeout_seconds=self.timeout_seconds
+                    prompts[i // group_size],
+                    text,
+                    first + i,
+                    timeout_seconds=self.timeout_seconds,
+                    non_finite=self.non_finite,
                 )
                 for i, text in enumerate(completions)
             ]
@@ -63,6 +75,7 @@ class RewardSet:
                     function.fn,
                     function.name,
                     self.timeout_seconds,
+                    non_finite=self.non_finite,
                 )
                 for i, text in enumerate(completions)
             ]

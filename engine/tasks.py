@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpod.engine.errors import EngineError
-from grpod.engine.rewardcall import call_reward
+from grpod.engine.rewardcall import NonFinite, call_reward
 
 if TYPE_CHECKING:
     from grpod.engine.config import EngineConfig
@@ -64,9 +64,12 @@ class Task:
         reward_fn: RewardFn | None = None,
         reward_name: str = "",
         timeout_seconds: float = 0.0,
+        *,
+        non_finite: NonFinite,
     ) -> float:
         """The reward of one completion (by the task's reward, or `reward_fn`); a raising,
-        hanging or non-numeric reward is a RewardError naming the reward and the sample."""
+        hanging or non-numeric reward is a RewardError naming the reward and the sample, a
+        non-finite one is as `non_finite` says (engine/rewardcall.py)."""
         return call_reward(
             reward_fn or self.reward_fn,
             reward_name or self.reward_name,
@@ -75,6 +78,7 @@ class Task:
             prompt.answer,
             where=f"task {self.name}: ",
             sample=index,
+            non_finite=non_finite,
             timeout_seconds=timeout_seconds,
         )
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from grpod import collectives
 from grpod.engine import StepReport, TransportBatch
 from grpod.engine.parallel import local
-from grpod.guards import distributed
 from grpod.guards.accounting import AccountingGuard
 from grpod.guards.advantage import AdvantageGuard
 from grpod.guards.base import Guard
@@ -88,7 +88,7 @@ class GuardPolicy:
                 skip = True
                 break
             batch = out
-        if self._all_reduce() and distributed.all_reduce_max(int(skip)) and not skip:
+        if self._all_reduce() and collectives.all_reduce_max(int(skip)) and not skip:
             skip = True
             findings.append(
                 Finding("policy", Action.FLUSH, "a peer rank skips this step's compute", {})
@@ -108,14 +108,14 @@ class GuardPolicy:
         findings = list(findings)
         action = Verdict.of(findings).action
         if self._all_reduce():
-            reduced = Action(distributed.all_reduce_max(int(action)))
+            reduced = Action(collectives.all_reduce_max(int(action)))
             if reduced > action:
                 findings.append(
                     Finding(
                         "policy",
                         reduced,
                         f"a peer rank's verdict is {reduced.name}",
-                        {"local_action": float(action), "rank": float(distributed.rank())},
+                        {"local_action": float(action), "rank": float(collectives.rank())},
                     )
                 )
                 action = reduced
@@ -144,7 +144,7 @@ class GuardPolicy:
         found = finite.check_weights(weights, cover) if finite.enabled else []  # type: ignore[attr-defined]
         local = max((f.action for f in found), default=Action.PASS)
         if self._all_reduce():
-            reduced = Action(distributed.all_reduce_max(int(local)))
+            reduced = Action(collectives.all_reduce_max(int(local)))
             if reduced > local:
                 found.append(
                     Finding("policy", reduced, f"a peer rank's weights check is {reduced.name}", {})
@@ -225,7 +225,7 @@ class GuardPolicy:
         return [g for g in self.guards.values() if g.enabled]
 
     def _all_reduce(self) -> bool:
-        return self.config.all_reduce and distributed.initialized()
+        return self.config.all_reduce and collectives.initialized()
 
 
 def shared_storage(params: list[torch.Tensor]) -> torch.Tensor | None:

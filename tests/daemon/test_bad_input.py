@@ -81,7 +81,10 @@ def test_config_check_names_each_bad_model_task_and_reward(
         "latin1": ({"task": "latin1.jsonl"}, "latin1.jsonl: line 2 is not UTF-8 (byte 0xe9"),
         "raises": ({"reward": "myrewards:boom"}, "RuntimeError: no reward today"),
         "text": ({"reward": "myrewards:text"}, "returned str, not a number"),
-        "nan": ({"reward": "myrewards:nan"}, "reward myrewards:nan: returned nan"),
+        "nan": (
+            {"reward": "myrewards:nan"},
+            "myrewards:nan returned nan, not a finite number",
+        ),
         "absent": ({"reward": "nosuchmodule:f"}, "reward 'nosuchmodule:f': cannot import"),
         "lr": ({"lr": "1e-3"}, "engine.lr: Input should be a valid number (got '1e-3')"),
         "group": ({"group_size": 1}, "engine.group_size: Value error, GRPO needs groups"),

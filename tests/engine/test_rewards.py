@@ -1,8 +1,10 @@
-"""Several reward functions with weights: the weighted total, each one's mean and std."""
+"""Several reward functions with weights: the weighted total, each one's mean and std; one
+call-and-check for every caller, a non-finite value as each caller's `NonFinite` says."""
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,9 @@ from pydantic import ValidationError
 
 from grpod.engine import Engine, EngineError
 from grpod.engine.errors import RewardError
-from grpod.engine.rewardcall import call_reward, real_value
+from grpod.engine.eval import Evaluator
+from grpod.engine.preflight import preflight
+from grpod.engine.rewardcall import NonFinite, call_reward, real_value
 from tests.engine.helpers import config
 
 REWARDS = """\
@@ -21,6 +25,10 @@ def length(prompt, completion, answer):
     return float(len(completion))
 def broken(prompt, completion, answer):
     raise ValueError("nope")
+def nan(prompt, completion, answer):
+    return float("nan")
+def inf(prompt, completion, answer):
+    return float("inf")
 """
 
 
@@ -99,6 +107,59 @@ def test_a_reward_past_its_time_limit_is_its_failure() -> None:
 
     started = time.monotonic()
     with pytest.raises(RewardError, match=r"reward m:hangs took longer than .* 0.2 on sample 3"):
-        call_reward(hangs, "m:hangs", "1+1=", "2", "2", where="", sample=3, timeout_seconds=0.2)
+        call(hangs, "m:hangs", sample=3, timeout_seconds=0.2)
     assert time.monotonic() - started < 10  # interrupted, not slept out
-    assert call_reward(lambda p, c, a: 1, "m:f", "p", "c", "a", where="", sample=0) == 1.0
+    assert call(lambda p, c, a: 1, "m:f") == 1.0
+
+
+def call(fn, name: str, non_finite: NonFinite = NonFinite.PASS, **kw) -> float:
+    kw = {"where": "", "sample": 0, **kw}
+    return call_reward(fn, name, "1+1=", "2", "2", non_finite=non_finite, **kw)
+
+
+def test_a_non_finite_value_is_refused_or_passed_as_its_caller_says() -> None:
+    import numpy as np
+
+    for value in (math.nan, math.inf, -math.inf, np.float32("nan"), torch.tensor(math.inf)):
+        expected = float(value)
+        with pytest.raises(RewardError, match=rf"reward m:f returned {expected}, not a finite"):
+            call(lambda p, c, a, v=value: v, "m:f", NonFinite.REFUSE, sample=2)
+        got = call(lambda p, c, a, v=value: v, "m:f", NonFinite.PASS)
+        assert got == expected or (math.isnan(got) and math.isnan(expected))
+    assert call(lambda p, c, a: 0.5, "m:f", NonFinite.REFUSE) == 0.5  # finite: the number
+    with pytest.raises(RewardError, match="returned str, not a number"):  # either way
+        call(lambda p, c, a: "1.0", "m:f", NonFinite.PASS)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_preflight_refuses_a_non_finite_reward_on_its_sample(
+    rewards_module: Path, bad: str
+) -> None:
+    """Bad input: every `rewards` entry, and the task's own reward, on the first prompt."""
+    with pytest.raises(RewardError, match=rf"reward multirewards:{bad} returned {bad}, not a"):
+        preflight(config(rewards=["multirewards:digit", f"multirewards:{bad}"]))
+    (rewards_module / "t.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    task = str(rewards_module / "t.jsonl")
+    named = rf"task {re.escape(task)}: reward multirewards:{bad} returned {bad}, not a finite"
+    with pytest.raises(RewardError, match=named):
+        preflight(config(task=task, reward=f"multirewards:{bad}"))
+    preflight(config(rewards=["multirewards:digit", "multirewards:length"]))  # finite: ok
+
+
+def test_a_nan_reward_reaches_the_run_s_batch(rewards_module: Path) -> None:
+    """The run passes it on (no RewardError): the finite guard flushes the step
+    (tests/guards/test_finite.py)."""
+    names = ["multirewards:digit", "multirewards:nan"]
+    batch = Engine(config(rewards=names, max_new_tokens=2)).rollout()
+    assert bool(batch.rewards.isnan().all()) and len(batch.rewards) == 16
+    assert all(math.isnan(v) for v in batch.function_rewards["multirewards:nan"])
+    assert all(v in (0.0, 1.0) for v in batch.function_rewards["multirewards:digit"])
+
+
+def test_a_nan_eval_reward_makes_the_eval_mean_nan(rewards_module: Path) -> None:
+    names = ["multirewards:digit", "multirewards:nan"]
+    cfg = config(rewards=names, eval_task="arith", eval_samples=4, max_new_tokens=2)
+    result = Evaluator(Engine(cfg)).run()
+    assert result.samples == 4
+    assert math.isnan(result.rewards["total"]) and math.isnan(result.rewards[names[1]])
+    assert 0.0 <= result.rewards[names[0]] <= 1.0

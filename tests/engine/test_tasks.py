@@ -1,9 +1,11 @@
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from grpod.engine import Engine, EngineError
+from grpod.engine.rewardcall import NonFinite
 from grpod.engine.tasks import ArithTask, CopyTask, KVRetrievalTask, build_task
 from grpod.engine.tokenizer import CharTokenizer
 from tests.engine.helpers import config
@@ -15,7 +17,8 @@ def test_w1_prompts_and_rewards() -> None:
     p = task.prompts[0]
     a, b = int(p.text[0]), int(p.text[2])
     assert p.answer == str((a + b) % 10)
-    assert task.score(p, p.answer + "12", 0) == 1.0 and task.score(p, "", 0) == 0.0
+    score = partial(task.score, non_finite=NonFinite.PASS)
+    assert score(p, p.answer + "12", 0) == 1.0 and score(p, "", 0) == 0.0
     assert CharTokenizer(task.chars).vocab_size == 15
     copy = CopyTask()
     assert all(q.answer == q.text[0] for q in copy.prompts)

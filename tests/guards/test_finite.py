@@ -1,12 +1,16 @@
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-from grpod.guards import Action
+from grpod.engine import Engine
+from grpod.engine.step import Outcome, decide_step
+from grpod.guards import Action, GuardPolicy
 from grpod.guards.config import FiniteConfig
 from grpod.guards.finite import FiniteGuard
 from grpod.guards.policy import shared_storage
+from tests.engine.helpers import config
 from tests.guards.helpers import batch, report
 
 GUARD = FiniteGuard(FiniteConfig())
@@ -114,3 +118,17 @@ def test_weights_check_over_one_shared_buffer() -> None:
     buffer[0] = buffer[1] = 0.0
     buffer[5] = math.inf  # in the storage, but in no weight: not a finding
     assert GUARD.check_weights(weights, cover) == []
+
+
+def test_a_nan_reward_in_the_run_flushes_the_step(tmp_path: Path, monkeypatch) -> None:
+    """A reward function's NaN is a step fault (engine/rewardcall.py `NonFinite.PASS`): the
+    rollout returns it, the finite guard flushes the step and the weights stay as they were."""
+    (tmp_path / "nanreward.py").write_text("def nan(p, c, a):\n    return float('nan')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    engine = Engine(config(rewards=["nanreward:nan"], max_new_tokens=2))
+    before = engine.state_digest()
+    result = decide_step(engine, GuardPolicy(), engine.rollout())
+    assert result.outcome is Outcome.FLUSHED and result.verdict.action is Action.FLUSH
+    assert engine.state_digest() == before
+    finite = [f.message for f in result.verdict.findings if f.guard == "finite"]
+    assert finite[0] == "16 rewards are non-finite (first: sample 0, nan)", finite
