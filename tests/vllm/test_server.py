@@ -1,9 +1,12 @@
-"""`grpod run` with `rollout_backend = "vllm-server"`: a real vLLM OpenAI server process that
-grpod starts, feeds weights through safetensors snapshots and stops. One campaign, two
+"""`grpod run` with `rollout_backend = "vllm-server"` and async steps (`max_staleness = 1`):
+a real vLLM OpenAI server process that grpod starts, feeds weights through safetensors
+snapshots and stops, sampling each next step while the trainer trains. One campaign, two
 starts: a weight-sync drill caught on its step, then the server SIGKILLed (one line, an
 incident, exit 1, nothing half-written, no orphan); a resume that re-runs the failed step and
-stops on SIGTERM (the server's process group gone after the daemon exits); `grpod replay` of
-a server-sampled step in an environment without vLLM."""
+stops on SIGTERM (the server's process group gone after the daemon exits); every trained
+batch at most one version stale; `grpod replay` of an async server-sampled step in an
+environment without vLLM. (The on-policy server path shares every request and push; its
+failure cases run against a stand-in server in tests/engine.)"""
 
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ def campaign(work: Path) -> None:
                 "seq_len": 64,
                 "weight_sync_probe_tokens": 128,
                 "threads": 1,
+                "max_staleness": 1,
+                "tis_cap": 2.0,
                 "faults": {"weight_sync_corrupt_steps": [DRILL]},
             },
             "daemon": {
@@ -86,6 +91,8 @@ def test_a_server_campaign_survives_a_killed_server_sigterm_and_replays(tmp_path
     trained = [s for s, e in steps.items() if e["outcome"] == "applied"]
     assert trained == [s for s in range(failed_step) if s != DRILL], steps
     assert all(steps[s]["weight_sync_max_abs_logprob_diff"] <= 1e-4 for s in trained)
+    assert all(steps[s]["staleness"] <= 1 for s in trained), steps
+    assert [steps[s]["staleness"] for s in (0, 1)] == [0, 1]  # both launched at version 0
     lines = [line for line in first.stderr.splitlines() if line.startswith("grpod run:")]
     assert len(lines) == 1 and f"step {failed_step}: rollout server http://127.0.0.1:" in lines[0]
     assert "(the server exited with status -9" in lines[0], lines
@@ -101,7 +108,7 @@ def test_a_server_campaign_survives_a_killed_server_sigterm_and_replays(tmp_path
     assert checked.returncode == 0, checked.stdout + checked.stderr  # nothing half-written
 
     def stop_after_the_rerun(event: dict[str, Any]) -> None:
-        if event["event"] == "step" and event["step"] == failed_step:
+        if event["event"] == "step" and event["step"] == failed_step + 1:
             second.signal(signal.SIGTERM)
 
     second = Grpod(args, work, on_event=stop_after_the_rerun, pipe_bytes=4096)
@@ -111,11 +118,15 @@ def test_a_server_campaign_survives_a_killed_server_sigterm_and_replays(tmp_path
     rerun = {e["step"]: e for e in second.steps()}
     assert rerun[failed_step]["outcome"] == "applied", rerun
     assert all(e["weight_sync_max_abs_logprob_diff"] <= 1e-4 for e in rerun.values()), rerun
+    # the resumed window samples from the checkpoint's weights: the rerun is fresh, the next
+    # step was sampled while the rerun trained, one version behind
+    assert [rerun[s]["staleness"] for s in (failed_step, failed_step + 1)] == [0, 1], rerun
     assert not group_alive(server_pid(second)), "the server's process group outlived the daemon"
 
     assert MAIN_GRPOD.is_file(), "make test-vllm builds .venv first"
+    async_step = failed_step + 1  # sampled a version behind the policy that trained on it
     done = subprocess.run(  # an environment without vLLM replays a server-sampled step
-        [str(MAIN_GRPOD), "replay", "--run-dir", "run", "--step", str(failed_step), "--json"],
+        [str(MAIN_GRPOD), "replay", "--run-dir", "run", "--step", str(async_step), "--json"],
         cwd=work,
         capture_output=True,
         text=True,
@@ -123,4 +134,4 @@ def test_a_server_campaign_survives_a_killed_server_sigterm_and_replays(tmp_path
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert result["reproduced"] is True and result["step"] == failed_step, result
+    assert result["reproduced"] is True and result["step"] == async_step, result
