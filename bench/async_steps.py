@@ -1,0 +1,177 @@
+"""Async steps (`max_staleness`, engine/ahead.py): what they buy per second and cost per step.
+
+Two parts, each one invocation with its sides interleaved step by step (`run_lockstep`):
+
+- `--part throughput` (`.venv-vllm`: a real vLLM): W1 (and with `--workload W2` the
+  long-prompt workload) steps per second for the torch sampler, colocated vLLM and the
+  vllm-server at `max_staleness` 0, 1 and 2, every step under every guard (`decide_step`
+  with the default `GuardPolicy`). A step's time includes waiting, at its end, for the
+  rollout it launched: a side's background sampling never runs on another side's time.
+  Colocated vLLM and the torch sampler sample at launch whatever `max_staleness` is (no
+  overlap), so they run at 0 only.
+- `--part learning` (`.venv`): W1c (`copy`, constant lr 1e-3, the torch sampler) at
+  `max_staleness` 0, 1 and 2 for each of `--seeds`: steps and wall seconds to a 5-step mean
+  reward of 0.8 and 0.9. Every side runs with `tis_cap = 2` (required above 0) so that the
+  staleness is the only difference. Staleness is the same quantity whatever the backend
+  (the torch sampler samples each rollout at its launch version), so these are the learning
+  figures of the server's async steps too.
+
+    .venv-vllm/bin/python bench/async_steps.py --part throughput [--steps 30] [--workload W1]
+    .venv/bin/python bench/async_steps.py --part learning [--steps 300] [--seeds 0 1 2]
+
+Prints one JSON line (also appended to bench/out/results.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python bench/async_steps.py` from the repo root
+    sys.path.insert(0, str(ROOT))
+
+from common import (  # noqa: E402
+    W2_ENGINE,
+    W2_SETTINGS,
+    _grpod_worker,
+    emit,
+    engine_config,
+    peak_rss_mib,
+    run_lockstep,
+    set_threads,
+)
+from w1c_learning import THRESHOLDS, first_reach  # noqa: E402
+
+TIS = {"tis_cap": 2.0}
+
+
+def throughput_worker(conn, backend: str, staleness: int, workload: str) -> None:
+    set_threads()
+    from grpod.engine import Engine
+    from grpod.engine.step import decide_step
+    from grpod.guards import GuardPolicy
+
+    task, extra = ("arith", {}) if workload == "W1" else ("kv-retrieval", _w2())
+    engine = Engine(
+        engine_config(task, rollout_backend=backend, max_staleness=staleness, **TIS, **extra)
+    )
+    policy = GuardPolicy()
+    engine.start_sampler()  # vLLM starts before the first step: not a step of the benchmark
+    engine.take_phase_seconds()
+    conn.send(("ready", f"{backend}-k{staleness}"))
+    while conn.recv() == "go":
+        started = time.perf_counter()
+        batch = engine.rollout()
+        result = decide_step(engine, policy, batch)
+        engine.sampling.drain()  # the rollout this step launched: on this side's time
+        seconds = time.perf_counter() - started
+        stats = engine.take_ahead_stats()
+        phases = {
+            **result.phase_seconds,
+            "overlap": stats.overlap_seconds if stats else 0.0,
+            "staleness": float(batch.staleness or 0),
+        }
+        tokens = int(batch.completion_lengths.sum())
+        conn.send(("step", seconds, result.report.reward_mean, tokens, phases))
+    engine.close()
+    conn.send(("done", peak_rss_mib(), None))
+
+
+def _w2() -> dict:
+    keys = ("seq_len", "sequence_chunks", "lmhead_chunks", "prompts_per_step", "group_size")
+    return {**{k: W2_ENGINE[k] for k in keys}, **W2_SETTINGS, "micro_batch_rows": 4}
+
+
+def throughput(args: argparse.Namespace) -> dict:
+    sides = {"torch": ("torch", 0), "vllm": ("vllm", 0)}
+    for k in (0, 1, 2):
+        sides[f"vllm-server-k{k}"] = ("vllm-server", k)
+    specs = {
+        name: (throughput_worker, (backend, k, args.workload), {})
+        for name, (backend, k) in sides.items()
+    }
+    trace = run_lockstep(specs, args.steps)
+    skip = 3  # the first steps warm caches on every side
+    out = {}
+    for name, t in trace.items():
+        phases = t["phases"][skip:]
+        out[name] = {
+            "median_s_per_step": round(statistics.median(t["seconds"][skip:]), 5),
+            "steps_per_s": round(1 / statistics.median(t["seconds"][skip:]), 3),
+            "rollout_wait_s": round(statistics.median(p["rollout"] for p in phases), 5),
+            "overlap_s": round(statistics.median(p["overlap"] for p in phases), 5),
+            "max_staleness_seen": int(max(p["staleness"] for p in t["phases"])),
+            "peak_rss_mib": round(t["peak_rss_mib"], 1),
+            "reward_last5": round(statistics.mean(t["reward"][-5:]), 4),
+        }
+    base = out["vllm-server-k0"]["median_s_per_step"]
+    ratios = {
+        f"ratio_steps_per_s_server_k{k}_over_k0": round(
+            base / out[f"vllm-server-k{k}"]["median_s_per_step"], 3
+        )
+        for k in (1, 2)
+    }
+    for name in ("torch", "vllm"):
+        ratios[f"ratio_steps_per_s_server_k1_over_{name}"] = round(
+            out[name]["median_s_per_step"] / out["vllm-server-k1"]["median_s_per_step"], 3
+        )
+    return {"part": "throughput", "workload": args.workload, **out, **ratios}
+
+
+def learning(args: argparse.Namespace) -> dict:
+    ks = (0, 1, 2)
+
+    def all_reached(trace: dict) -> bool:
+        return all(first_reach(t, THRESHOLDS[-1])["step"] is not None for t in trace.values())
+
+    runs = []
+    for seed in args.seeds:
+        specs = {
+            f"k{k}": (_grpod_worker, ("copy", {"seed": seed, "max_staleness": k, **TIS}), {})
+            for k in ks
+        }
+        trace = run_lockstep(specs, args.steps, all_reached)
+        runs.append(
+            {
+                "seed": seed,
+                "steps_run": len(trace["k0"]["reward"]),
+                **{
+                    name: {f"reach_{x}": first_reach(t, x) for x in THRESHOLDS}
+                    for name, t in trace.items()
+                },
+            }
+        )
+    summary = {}
+    for k in ks:
+        for x in THRESHOLDS:
+            steps = [r[f"k{k}"][f"reach_{x}"]["step"] for r in runs]
+            summary[f"k{k}_steps_to_{x}"] = steps
+            if k and all(steps) and all(r["k0"][f"reach_{x}"]["step"] for r in runs):
+                per_seed = [s / r["k0"][f"reach_{x}"]["step"] for s, r in zip(steps, runs)]
+                summary[f"k{k}_over_k0_steps_to_{x}_per_seed"] = [round(v, 3) for v in per_seed]
+                summary[f"k{k}_over_k0_steps_to_{x}_median"] = round(statistics.median(per_seed), 3)
+    return {"part": "learning", "workload": "W1c", "seeds": args.seeds, "runs": runs, **summary}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("throughput", "learning"), required=True)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--workload", choices=("W1", "W2"), default="W1")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    args = parser.parse_args()
+    if args.part == "throughput":
+        args.steps = args.steps or 30
+        record = throughput(args)
+    else:
+        args.steps = args.steps or 300
+        record = learning(args)
+    emit({"bench": "async_steps", "steps": args.steps, **record})
+
+
+if __name__ == "__main__":
+    main()
