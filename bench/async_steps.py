@@ -17,6 +17,7 @@ Two parts, each one invocation with its sides interleaved step by step (`run_loc
   figures of the server's async steps too.
 
     .venv-vllm/bin/python bench/async_steps.py --part throughput [--steps 30] [--workload W1]
+        [--sides torch,vllm,vllm-server-k0,vllm-server-k1,vllm-server-k2]
     .venv/bin/python bench/async_steps.py --part learning [--steps 300] [--seeds 0 1 2]
 
 Prints one JSON line (also appended to bench/out/results.jsonl).
@@ -90,9 +91,11 @@ def throughput(args: argparse.Namespace) -> dict:
     sides = {"torch": ("torch", 0), "vllm": ("vllm", 0)}
     for k in (0, 1, 2):
         sides[f"vllm-server-k{k}"] = ("vllm-server", k)
+    wanted = args.sides.split(",") if args.sides else list(sides)
     specs = {
         name: (throughput_worker, (backend, k, args.workload), {})
         for name, (backend, k) in sides.items()
+        if name in wanted
     }
     trace = run_lockstep(specs, args.steps)
     skip = 3  # the first steps warm caches on every side
@@ -108,17 +111,14 @@ def throughput(args: argparse.Namespace) -> dict:
             "peak_rss_mib": round(t["peak_rss_mib"], 1),
             "reward_last5": round(statistics.mean(t["reward"][-5:]), 4),
         }
-    base = out["vllm-server-k0"]["median_s_per_step"]
-    ratios = {
-        f"ratio_steps_per_s_server_k{k}_over_k0": round(
-            base / out[f"vllm-server-k{k}"]["median_s_per_step"], 3
-        )
-        for k in (1, 2)
-    }
-    for name in ("torch", "vllm"):
-        ratios[f"ratio_steps_per_s_server_k1_over_{name}"] = round(
-            out[name]["median_s_per_step"] / out["vllm-server-k1"]["median_s_per_step"], 3
-        )
+    ratios = {}
+    for name in out:
+        for other in out:
+            if name != other and name.startswith("vllm-server-k") and other != "vllm-server-k2":
+                key = f"ratio_steps_per_s_{name}_over_{other}".replace("-", "_")
+                ratios[key] = round(
+                    out[other]["median_s_per_step"] / out[name]["median_s_per_step"], 3
+                )
     return {"part": "throughput", "workload": args.workload, **out, **ratios}
 
 
@@ -162,6 +162,9 @@ def main() -> None:
     parser.add_argument("--part", choices=("throughput", "learning"), required=True)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--workload", choices=("W1", "W2"), default="W1")
+    parser.add_argument(
+        "--sides", default="", help="throughput: e.g. vllm-server-k0,vllm-server-k1 (default all)"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
     if args.part == "throughput":
