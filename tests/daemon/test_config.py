@@ -60,6 +60,7 @@ def test_grpod_run_with_a_bad_config_exits_2_and_creates_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == (["bad.toml"] if text else [])
 
 
+@pytest.mark.slow  # the fast tier stays under ~2 minutes
 def test_bad_config_subprocess_one_line_no_traceback(tmp_path: Path) -> None:
     (tmp_path / "bad.toml").write_text("[daemon]\ncheckpoint_every = 0\n")
     proc = subprocess.run(

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from grpod.daemon.metrics import PHASE_BUCKETS, Metrics
@@ -176,6 +177,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.slow  # the fast tier stays under ~2 minutes
 def test_multiprocess_mode_serves_every_rank_and_marks_a_dead_one(tmp_path: Path) -> None:
     """Under torchrun every rank writes the node's PROMETHEUS_MULTIPROC_DIR, local rank 0
     serves them all: the step's numbers once (rank 0's), each rank's labelled, and a rank

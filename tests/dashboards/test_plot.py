@@ -14,6 +14,8 @@ from grpod.guards.correlation import GradNormVTCCorrelationGuard
 from tests.dashboards.conftest import EVAL_EVERY, MAX_STEPS, DaemonRun
 from tests.guards.helpers import batch, report
 
+pytestmark = pytest.mark.slow  # a real run per module: not in the fast tier
+
 PNGS = (
     "learning.png",
     "outcomes.png",

@@ -1,5 +1,6 @@
 """FP32 head and FP32 gradient accumulation on a bf16 model, against float64 references."""
 
+import pytest
 import torch
 
 from grpod.engine import Engine, TransportBatch
@@ -57,6 +58,7 @@ def test_chunked_head_equals_unchunked_and_grads_agree() -> None:
     assert torch.allclose(h1.grad, h2.grad, atol=1e-6)
 
 
+@pytest.mark.slow  # the fast tier stays under ~2 minutes
 def test_fp32_accumulation_over_64_bf16_micros_vs_float64() -> None:
     cfg = config(
         dtype="bfloat16", prompts_per_step=16, group_size=4, micro_batch_rows=1, pack=False

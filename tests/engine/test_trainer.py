@@ -106,6 +106,7 @@ def test_sampler_mismatch_is_small_when_sampler_and_trainer_agree() -> None:
     engine.flush()
 
 
+@pytest.mark.slow  # the fast tier stays under ~2 minutes
 def test_learning_on_copy_rises_from_chance_to_0_8() -> None:
     torch.set_num_threads(2)
     engine = Engine(EngineConfig(task="copy"))

@@ -116,6 +116,7 @@ def test_commit_every_step_is_one_commit_per_step(tmp_path: Path) -> None:
     assert recorder.commits_total == 3 and stored(tmp_path)[0] == [0, 1, 2]
 
 
+@pytest.mark.slow  # the fast tier stays under ~2 minutes
 @pytest.mark.parametrize("inline_bytes", [0, 1 << 20], ids=["files", "inline"])
 def test_sigkill_loses_only_unacknowledged_uncommitted_steps(
     tmp_path: Path, inline_bytes: int

@@ -126,6 +126,7 @@ def test_as_run_accepts_the_batch_as_rolled_out_or_as_run(recorded: Campaign) ->
         assert rebuilt.input_ids.equal(as_recorded.input_ids)
 
 
+@pytest.mark.slow  # the fast tier stays under ~2 minutes
 def test_cli_replay_json_and_bad_input_exit_codes(recorded: Campaign) -> None:
     run_dir = str(recorded.run_dir)
     out = subprocess.run(

@@ -46,6 +46,7 @@ def test_unknown_drill_is_a_guards_error() -> None:
         run_drill("no-such-drill")
 
 
+@pytest.mark.slow  # the fast tier stays under ~2 minutes
 def test_vtc_last_chunk_strict_flushes_every_faulty_step() -> None:
     result = run_drill("vtc-last-chunk", steps=12, guards={"reorder": {"enabled": False}})
     assert_clean_run(result)
