@@ -86,7 +86,8 @@ def _db_upgrade(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     from grpod.daemon import distributed
-    from grpod.forensics import ForensicsError, replay
+    from grpod.forensics import ForensicsError
+    from grpod.forensics.replay import replay  # the function, never the same-named module
 
     if (args.incident is None) == (args.step is None):
         raise ForensicsError("give an INCIDENT_ID or --step N (exactly one)")
