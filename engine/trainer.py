@@ -182,12 +182,8 @@ class Engine:
                 rewards, cfg.group_size, cfg.scale_rewards, cfg.advantage_std
             )
             advantages = faults.advantages(step, advantages)
-            batch = self._pack(out, prompt_ids, completions, rewards, advantages, first)
-            batch = replace(
-                batch,
-                weight_version=pending.version,
-                weight_sync=pending.weight_sync,
-                staleness=staleness,
+            batch = self._pack(
+                out, prompt_ids, completions, rewards, advantages, first, pending, staleness
             )
             if function_rewards:
                 batch = replace(batch, function_rewards=function_rewards)
@@ -357,8 +353,11 @@ class Engine:
         rewards: torch.Tensor,
         advantages: torch.Tensor,
         first_group: int,
+        sampled: Pending | None = None,
+        staleness: int | None = None,
     ) -> TransportBatch:
-        """The step's samples packed into its `TransportBatch` (engine/packing.py)."""
+        """The step's samples packed into its `TransportBatch` (engine/packing.py), with the
+        weight version `sampled` was sampled with and its check (None: the policy's now)."""
         cfg, step = self.config, self.step
         lengths = out.mask.sum(-1).tolist()
         sampler_logprobs = self.faults.sampler_logprobs(
@@ -390,7 +389,9 @@ class Engine:
             batch,
             kv_cache=self.kv_cache,
             kv_cache_stats=out.cache_stats,
-            weight_version=self.weight_version,
+            weight_version=self.weight_version if sampled is None else sampled.version,
+            weight_sync=None if sampled is None else sampled.weight_sync,
+            staleness=staleness,
         )
         if self.parallel.distributed:
             batch = replace(batch, rank=self.parallel.rank, world_size=self.parallel.world_size)
