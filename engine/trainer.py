@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,25 +11,23 @@ import torch
 
 from grpod.engine import distcp, state
 from grpod.engine.accounting import token_scale
-from grpod.engine.advantages import group_advantages
 from grpod.engine.ahead import Ahead, AheadStats
+from grpod.engine.assemble import Assembler, StepInputs
 from grpod.engine.batch import TransportBatch
 from grpod.engine.build import build_parts
 from grpod.engine.config import EngineConfig
 from grpod.engine.cursor import DataCursor
-from grpod.engine.errors import EngineError, RewardError, SamplerError
+from grpod.engine.errors import EngineError, SamplerError
 from grpod.engine.faults import Faults
 from grpod.engine.forward_backward import ForwardBackward
 from grpod.engine.inputs import use_reward_path
 from grpod.engine.lora import reference_mode
 from grpod.engine.optim import apply_update, build_optimizer, build_schedule
-from grpod.engine.packing import group_samples, pack
 from grpod.engine.parallel import Parallel, total_norm
 from grpod.engine.phases import PhaseClock
 from grpod.engine.report import StepReport
 from grpod.engine.sampling import Pending, Sampling
 from grpod.engine.stats import StepTotals, build_report, skipped_report
-from grpod.engine.tasks import Prompt
 from grpod.engine.tokenizer import encode_prompt
 from grpod.engine.torch_sampler import Rollout
 
@@ -80,7 +77,8 @@ class Engine:
 
     The machinery is one call away, each in its own module: construction (build.py),
     sampling and the weight sync (sampling.py over the torch sampler, torch_sampler.py, or vLLM),
-    packing (packing.py), the forward/backward pass and chunk loop (forward_backward.py over
+    samples sampled ahead (ahead.py), rewards, advantages and packing (assemble.py over
+    packing.py), the forward/backward pass and chunk loop (forward_backward.py over
     layout.py's trunk and loss.py's FP32 head and loss), the token counter and the step's
     divisor (accounting.py), the report (stats.py), the optimizer and schedule (optim.py),
     state and digest (state.py), the phase clock (phases.py), the drill fault hooks
@@ -110,7 +108,14 @@ class Engine:
         self.sampling = Sampling(
             config, parts, self.parallel, self.faults, self.clock, lambda: self.weight_version
         )
-        self.config_digest = config.digest()
+        self.assembler = Assembler(
+            config,
+            self.rewards,
+            self.faults,
+            self.parallel,
+            self.tokenizer.pad_token_id,
+            self.kv_cache,
+        )
         self.cursor = DataCursor()
         self._pending: StepReport | None = None
         # max_staleness > 0: the rollouts of the next steps, sampled ahead (engine/ahead.py)
@@ -159,7 +164,7 @@ class Engine:
     # ----------------------------------------------------------------- the GRPO step
     def rollout(self) -> TransportBatch:
         """Sample this step's completions, score them, and pack the `TransportBatch`."""
-        cfg, step, faults = self.config, self.step, self.faults
+        cfg, step = self.config, self.step
         generation = step // cfg.epochs
         cached = self.cursor.rollout_cache
         if cfg.epochs > 1 and cached is not None and cached.generation == generation:
@@ -172,24 +177,20 @@ class Engine:
                     pending, staleness = self.ahead.take(step)
                 out, completions, texts = self.sampling.finish(pending.result())
             except SamplerError as exc:  # the prompts in flight, unsampled, for its incident
-                prompts, first, prompt_ids = self._step_prompts(step)
-                exc.batch = self._unsampled(prompt_ids, first)
+                exc.batch = self.assembler.unsampled(
+                    step, self._step_prompts(step), self.weight_version
+                )
                 raise
-            prompts, first, prompt_ids = pending.inputs
-            rewards, function_rewards, failure = self._score_rewards(prompts, texts, first)
-            rewards = faults.rewards(step, rewards, cfg.group_size)
-            advantages, _ = group_advantages(
-                rewards, cfg.group_size, cfg.scale_rewards, cfg.advantage_std
+            batch = self.assembler.batch(  # rewards, group advantages, packing: assemble.py
+                step,
+                pending.inputs,
+                out,
+                completions,
+                texts,
+                version=pending.version,
+                weight_sync=pending.weight_sync,
+                staleness=staleness,
             )
-            advantages = faults.advantages(step, advantages)
-            batch = self._pack(
-                out, prompt_ids, completions, rewards, advantages, first, pending, staleness
-            )
-            if function_rewards:
-                batch = replace(batch, function_rewards=function_rewards)
-            if failure is not None:
-                failure.batch = batch
-                raise failure
         if cfg.epochs > 1:  # one scoring pass per generation, reused by every epoch
             with self.clock.timed("score"):
                 batch = replace(batch, old_logprobs=self.score(batch))
@@ -206,7 +207,7 @@ class Engine:
         if self.ahead is not None:
             self.ahead.horizon = steps or None
 
-    def _step_prompts(self, step: int) -> tuple[list[Prompt], int, list[list[int]]]:
+    def _step_prompts(self, step: int) -> StepInputs:
         """Step `step`'s prompts (this rank's whole groups), the first group's index, ids."""
         cfg = self.config
         prompts = self.task.prompts_for_step(step // cfg.epochs, cfg.prompts_per_step, cfg.seed)
@@ -330,85 +331,6 @@ class Engine:
         """Wall-clock seconds of the phases run since the last take: sync, sync_check,
         rollout, score, grad, optim (0 for a phase that did not run); the clock restarts."""
         return self.clock.take()
-
-    def _score_rewards(
-        self, prompts: list[Prompt], texts: list[str], first_group: int
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], RewardError | None]:
-        """`(rewards [samples], per-function rewards, failure)`: a failed reward leaves the
-        samples unscored (NaN), packed for its incident."""
-        group_size = self.config.group_size
-        try:
-            rewards, functions = self.rewards.score(
-                prompts, texts, group_size, first_group * group_size
-            )
-        except RewardError as exc:
-            return torch.full((len(texts),), math.nan), {}, exc
-        return rewards, functions, None
-
-    def _pack(
-        self,
-        out: Rollout,
-        prompt_ids: list[list[int]],
-        completions: list[list[int]],
-        rewards: torch.Tensor,
-        advantages: torch.Tensor,
-        first_group: int,
-        sampled: Pending | None = None,
-        staleness: int | None = None,
-    ) -> TransportBatch:
-        """The step's samples packed into its `TransportBatch` (engine/packing.py), with the
-        weight version `sampled` was sampled with and its check (None: the policy's now)."""
-        cfg, step = self.config, self.step
-        lengths = out.mask.sum(-1).tolist()
-        sampler_logprobs = self.faults.sampler_logprobs(
-            step, [row[:n] for row, n in zip(out.logprobs.tolist(), lengths)]
-        )
-        samples = group_samples(
-            prompt_ids,
-            completions,
-            advantages.tolist(),
-            sampler_logprobs,
-            cfg.group_size,
-            first_group,
-        )
-        batch = pack(
-            samples,
-            seq_len=cfg.seq_len,
-            micro_batch_rows=cfg.micro_batch_rows,
-            pack_rows=cfg.pack,
-            pad_token_id=self.tokenizer.pad_token_id,
-            rewards=rewards,
-            step=step,
-            config_digest=self.config_digest,
-            sequence_chunks=cfg.sequence_chunks,
-            generation=step // cfg.epochs,
-            injected_faults=self.faults.injected(step),
-        )
-        # the rollout's bounded cache travels with the batch: the trainer masks by it
-        batch = replace(
-            batch,
-            kv_cache=self.kv_cache,
-            kv_cache_stats=out.cache_stats,
-            weight_version=self.weight_version if sampled is None else sampled.version,
-            weight_sync=None if sampled is None else sampled.weight_sync,
-            staleness=staleness,
-        )
-        if self.parallel.distributed:
-            batch = replace(batch, rank=self.parallel.rank, world_size=self.parallel.world_size)
-        return batch
-
-    def _unsampled(self, prompt_ids: list[list[int]], first_group: int) -> TransportBatch:
-        """The step's prompts packed without completions (NaN rewards and advantages): what
-        a failed rollout server's incident keeps."""
-        n = len(prompt_ids) * self.config.group_size
-        nothing = Rollout(
-            torch.zeros((n, 0), dtype=torch.long),
-            torch.zeros((n, 0)),
-            torch.zeros((n, 0), dtype=torch.bool),
-        )
-        nan = torch.full((n,), math.nan)
-        # no check of this push came back
-        return self._pack(nothing, prompt_ids, [[] for _ in range(n)], nan, nan, first_group)
 
     def _check_accumulate(self, batch: TransportBatch) -> None:
         if self._pending is not None:
