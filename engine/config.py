@@ -51,7 +51,8 @@ class FaultsConfig(BaseModel):
     stale_rollout_steps: list[int] = Field(
         default_factory=list,
         description="max_staleness > 0: the step's rollout is sampled one step earlier than "
-        "its bound allows (a sampler that ran ahead): it arrives too old and must be dropped",
+        "its bound allows (a sampler that ran ahead): it arrives too old and must be dropped "
+        "(under torchrun on every rank, whatever `ranks` says: launches are collective)",
     )
     ranks: list[int] = Field(
         default_factory=list,
@@ -412,14 +413,16 @@ def check_parallel(config: EngineConfig, world: int | None = None) -> str:
         # torchrun run): nothing to shard or replicate, and no process group to join
         mode = "none"
     if config.rollout_backend == "vllm-server" and world > 1:
-        raise EngineError(
-            "engine.rollout_backend: vllm-server is not run under torchrun yet "
-            "(one process, or rollout_backend = 'vllm' colocated per rank)"
-        )
-    if config.max_staleness and world > 1:
-        raise EngineError(
-            "engine.max_staleness: async steps are not run under torchrun yet (one process)"
-        )
+        if mode == "none":
+            raise EngineError(
+                "engine.rollout_backend: vllm-server under torchrun serves a node of one "
+                "data-parallel job (parallel = 'fsdp2' or 'ddp'), not independent replicas"
+            )
+        if config.vllm_server_url and world > torchrun.local_world_size():
+            raise EngineError(
+                "engine.vllm_server_url: one server per node, and this job spans nodes "
+                "(each node's local rank 0 would push into the one named; leave it '' )"
+            )
     if mode == "none":
         return mode
     if config.prompts_per_step % world:

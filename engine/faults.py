@@ -44,6 +44,8 @@ class Faults:
             "stale-rollout": config.stale_rollout_steps,
         }
         self._steps = {name: frozenset(s if self.active else ()) for name, s in steps.items()}
+        # launches are collective under torchrun (a node's server): every rank's, or none
+        self._steps["stale-rollout"] = frozenset(config.stale_rollout_steps if config.on else ())
 
     @property
     def per_micro_accounting(self) -> bool:

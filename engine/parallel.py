@@ -197,6 +197,25 @@ class Parallel:
         norms = [value for (value,) in self.gather([norm])]
         return math.nan if any(math.isnan(n) for n in norms) else max(norms)
 
+    @property
+    def node_leader(self) -> bool:
+        """Local rank 0: the rank that starts and feeds its node's rollout server."""
+        return self.local_rank == 0
+
+    def barrier(self) -> None:
+        """Every rank has reached this point (a MAX all-reduce of nothing)."""
+        if self.distributed:
+            collectives.all_reduce_max(0)
+
+    def from_node_leader(self, value: object) -> object:
+        """Every rank gets its node leader's `value` (a picklable object; one object
+        all-gather over the job: torchrun numbers a node's ranks contiguously)."""
+        if not self.distributed:
+            return value
+        values: list[object] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values[self.rank - self.local_rank]
+
     def max_int(self, value: int) -> int:
         """The max of `value` over every rank of a data-parallel job; `value` itself under
         `parallel = "none"`, where each rank is its own replica (a group may still be up for

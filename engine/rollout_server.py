@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from grpod.engine.config import EngineConfig
-from grpod.engine.errors import SamplerError
+from grpod.engine.errors import EngineError, SamplerError
 from grpod.engine.rollout_vllm import CPU_KV_CACHE_BYTES, ServedModel, to_rollout, weights_to_push
 from grpod.engine.torch_sampler import Rollout
 from grpod.engine.vllm_server import (
@@ -60,26 +60,38 @@ class ServerSampler:
     """Rollouts from a vLLM server that takes the trainer's weights before every rollout;
     the same `push` / `sample` / `close` as the colocated `VLLMSampler`."""
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, probe_tokens: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        probe_tokens: int,
+        *,
+        peer_of: str | None = None,
+    ) -> None:
+        """`peer_of`: the URL of the node's server that local rank 0 started or reached
+        (under torchrun): this rank samples from it and never pushes (its leader does)."""
         self.served = ServedModel(model, config, probe_tokens)
         self.probe_tokens, self.max_model_len = self.served.probe_tokens, self.served.max_model_len
         self.process: ServerProcess | None = None
-        self._own_sync_dir = not config.vllm_server_sync_dir
-        self.sync_dir = Path(
-            config.vllm_server_sync_dir or tempfile.mkdtemp(prefix="grpod-vllm-sync-")
-        )
-        self.sync_dir.mkdir(parents=True, exist_ok=True)
+        self.peer = peer_of is not None
+        self._own_sync_dir = not config.vllm_server_sync_dir and not self.peer
+        self.sync_dir: Path | None = None  # where the pushes' snapshots go (not a peer's)
+        if not self.peer:
+            self.sync_dir = Path(
+                config.vllm_server_sync_dir or tempfile.mkdtemp(prefix="grpod-vllm-sync-")
+            )
+            self.sync_dir.mkdir(parents=True, exist_ok=True)
         self._snapshot: Path | None = None
         self._pushes = 0
         self._pool = ThreadPoolExecutor(MAX_REQUESTS_IN_FLIGHT, thread_name_prefix="vllm-request")
-        url = config.vllm_server_url
+        url = peer_of or config.vllm_server_url
         if not url:
             host = config.vllm_server_host
             port = config.vllm_server_port or free_port(host)
             url = f"http://{host}:{port}"
         self.client = ServerClient(url, config.vllm_server_timeout_seconds)
         try:
-            if config.vllm_server_url:
+            if url == peer_of or config.vllm_server_url:
                 self.client.get("/health")
             else:
                 self.process = ServerProcess(
@@ -94,6 +106,8 @@ class ServerSampler:
     def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> None:
         """Write `model`'s weights into a new snapshot, have the server reload from it, then
         reset its prefix cache."""
+        if self.sync_dir is None:
+            raise EngineError("a peer rank pushed to its node's rollout server (local rank 0 does)")
         faults = faults or PushFaults()
         if faults.skip:
             return
@@ -165,7 +179,7 @@ class ServerSampler:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.process is not None:
             self.process.stop()
-        if self._own_sync_dir:
+        if self._own_sync_dir and self.sync_dir is not None:
             shutil.rmtree(self.sync_dir, ignore_errors=True)
         elif self._snapshot is not None:
             shutil.rmtree(self._snapshot, ignore_errors=True)

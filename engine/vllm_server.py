@@ -188,8 +188,32 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+# what torchrun (and grpod's agent) tell their ranks: a server one of them starts is no part
+# of that job (vLLM reads RANK / WORLD_SIZE / MASTER_* for its own process group, and its
+# prometheus-client would write into the ranks' multiprocess metrics directory)
+TORCHRUN_ENV = (
+    "PROMETHEUS_MULTIPROC_DIR",
+    "prometheus_multiproc_dir",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
 def server_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")
+    }
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CPU: beside the trainer, unpinned
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the colocated sampler's setting

@@ -23,6 +23,11 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def local_world_size() -> int:
+    """How many of the job's ranks run on this node."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
 def group_rank() -> int:
     """This node's index in the job."""
     return int(os.environ.get("GROUP_RANK", "0"))

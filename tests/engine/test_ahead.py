@@ -18,8 +18,9 @@ from pydantic import ValidationError
 
 from grpod.engine import Engine, EngineError
 from grpod.engine.ahead import Dropped
-from grpod.engine.config import check_parallel
+from grpod.engine.config import FaultsConfig, check_parallel
 from grpod.engine.errors import SamplerError
+from grpod.engine.faults import Faults
 from grpod.engine.trainer import step_seed
 from grpod.forensics.blobs import canonical_digest
 from tests.engine.helpers import config
@@ -103,9 +104,19 @@ def test_async_settings_are_checked_in_the_config(overrides: dict, message: str)
         config(**overrides)
 
 
-def test_async_steps_are_refused_under_torchrun() -> None:
-    with pytest.raises(EngineError, match="max_staleness: async steps are not run under torch"):
-        check_parallel(config(**ASYNC), world=2)
+def test_a_node_server_is_refused_where_it_would_not_serve_one_job_per_node(monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "0")  # under torchrun
+    server = {**ASYNC, "rollout_backend": "vllm-server"}
+    assert check_parallel(config(**server), world=2) == "fsdp2"
+    assert check_parallel(config(**server, parallel="ddp"), world=2) == "ddp"
+    with pytest.raises(EngineError, match="serves a node of one data-parallel job"):
+        check_parallel(config(**server, parallel="none"), world=2)
+    named = config(**server, vllm_server_url="http://10.0.0.1:8000")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert check_parallel(named, world=2) == "fsdp2"  # one node: its ranks share the one named
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(EngineError, match="vllm_server_url: one server per node"):
+        check_parallel(named, world=2)
 
 
 class Gate:
@@ -179,3 +190,11 @@ def test_an_eval_waits_for_the_rollout_in_flight_before_it_pushes(stand_in, tmp_
     last_push = max(i for i, r in enumerate(gate.log) if r == "/collective_rpc")
     assert last_push > held  # never a push under a rollout in flight
     engine.close()
+
+
+def test_the_stale_rollout_drill_fires_on_every_rank_whatever_its_ranks() -> None:
+    # a launch is collective under torchrun (a node's server): one rank's early launch would
+    # leave its peers waiting in a push they never make
+    drill = FaultsConfig(stale_rollout_steps=[2], nan_loss_steps=[3], ranks=[1])
+    assert Faults(drill, rank=0).early_rollout(2) and Faults(drill, rank=1).early_rollout(2)
+    assert not Faults(drill, rank=0).injected(3) and Faults(drill, rank=1).injected(3)

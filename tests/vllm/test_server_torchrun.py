@@ -1,0 +1,215 @@
+"""`grpod run --nproc-per-node 2` with `rollout_backend = "vllm-server"` and async steps
+(`max_staleness = 1`), FSDP2 over gloo: one real vLLM server for the node, started by local
+rank 0, fed by it, sampled by both ranks.
+
+One campaign, two starts: rank 1 reaches rank 0's server and starts none; a weight-sync drill
+(the push before step 1 corrupted) is caught on both ranks on its step; the server SIGKILLed
+mid-run fails the same step on both ranks (one line each, one incident, the agent exits 1);
+the resume re-runs that step and finishes (exit 0, the server's process group gone); every
+trained batch at most one version stale on both ranks; one rank's part of an async step
+replayed in one process, in an environment without vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from grpod.engine.vllm_server import group_alive
+from tests.daemon.helpers import cli, write_config
+
+pytestmark = pytest.mark.slow
+
+GRPOD = str(Path(sys.executable).with_name("grpod"))
+MAIN_GRPOD = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "grpod"
+DRILL = 1  # the push before this step's rollout corrupts one matrix
+KILL_AFTER = 3  # the server is SIGKILLed once both ranks have logged this step
+MAX_STEPS = 7
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+class Agent:
+    """`grpod run --nproc-per-node 2 ...`: every rank's JSON log line, read as it comes
+    (`on_event` runs on the reader thread); the other lines kept as text."""
+
+    def __init__(
+        self, args: list[str], cwd: Path, on_event: Callable[[dict], None] | None = None
+    ) -> None:
+        self.proc = subprocess.Popen(
+            [GRPOD, "run", "--nproc-per-node", "2", *args],
+            cwd=cwd,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.events: list[dict[str, Any]] = []
+        self.text: list[str] = []
+        self._on_event, self._error = on_event, None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.text.append(line)
+            if not line.startswith("{"):
+                continue
+            event = json.loads(line)
+            self.events.append(event)
+            if self._on_event is not None and self._error is None:
+                try:
+                    self._on_event(event)
+                except BaseException as exc:  # raised again by wait()
+                    self._error = exc
+
+    def wait(self, timeout: float) -> int:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        self._reader.join(timeout=10)
+        if self._error is not None:
+            raise self._error
+        return rc
+
+    def tail(self) -> str:
+        return "".join(self.text[-60:])
+
+    def by_rank(self, name: str) -> dict[int, list[dict[str, Any]]]:
+        found: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+        for event in self.events:
+            if event.get("event") == name and event.get("rank") in found:
+                found[event["rank"]].append(event)
+        return found
+
+
+def campaign(work: Path) -> None:
+    write_config(
+        work / "grpod.toml",
+        {
+            "engine": {
+                "rollout_backend": "vllm-server",
+                "task": "copy",
+                "prompts_per_step": 4,
+                "group_size": 4,
+                "max_new_tokens": 4,
+                "seq_len": 64,
+                "weight_sync_probe_tokens": 128,
+                "threads": 1,
+                "max_staleness": 1,
+                "tis_cap": 2.0,
+                "faults": {"weight_sync_corrupt_steps": [DRILL]},
+            },
+            "daemon": {
+                "metrics": False,
+                "log_format": "json",
+                "progress": "off",
+                "checkpoint_every": 2,
+            },
+            "forensics": {"episode_gap_steps": 0},
+            "guards.weight_sync": {"action": "FLUSH"},  # go on after the drill
+        },
+    )
+
+
+@pytest.mark.timeout(2400)  # two server starts and two 2-rank jobs on a 2-core machine
+def test_one_server_serves_both_ranks_through_a_drill_a_killed_server_and_a_resume(
+    tmp_path: Path,
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    campaign(work)
+    args = ["--config", "grpod.toml", "--run-dir", "run", "--max-steps", str(MAX_STEPS)]
+    servers: list[int] = []
+    logged: dict[int, set[int]] = {0: set(), 1: set()}
+
+    def kill_the_server_once_both_ranks_passed(event: dict[str, Any]) -> None:
+        if event["event"] == "rollout server" and event["started"]:
+            servers.append(int(event["pid"]))
+        elif event["event"] == "step":
+            logged[event["rank"]].add(event["step"])
+            if all(KILL_AFTER in s for s in logged.values()) and len(servers) == 1:
+                os.killpg(servers[0], signal.SIGKILL)  # the server, its engine and workers
+                servers.append(-1)
+
+    first = Agent(args, work, kill_the_server_once_both_ranks_passed)
+    assert first.wait(timeout=1500) == 1, first.tail()
+    up = first.by_rank("rollout server")
+    assert [e["started"] for e in up[0]] == [True], first.tail()
+    assert [e["started"] for e in up[1]] == [False], first.tail()
+    assert up[1][0]["url"] == up[0][0]["url"], up  # rank 1 samples from rank 0's server
+    steps = {r: {e["step"]: e for e in events} for r, events in first.by_rank("step").items()}
+    assert steps[0].keys() == steps[1].keys(), first.tail()
+    failed_step = max(steps[0])
+    assert failed_step > KILL_AFTER, steps[0]
+    for rank in (0, 1):
+        mine = steps[rank]
+        drill = mine[DRILL]
+        assert drill["outcome"] == "skipped", drill
+        assert [f["guard"] for f in drill["findings"]] == ["weight_sync"], drill
+        assert not float(drill["weight_sync_max_abs_logprob_diff"]) <= 1e-3, drill
+        assert mine[failed_step]["outcome"] == "skipped", mine[failed_step]
+        assert [f["guard"] for f in mine[failed_step]["findings"]] == ["rollout"]
+        trained = [s for s, e in mine.items() if e["outcome"] == "applied"]
+        assert trained == [s for s in range(failed_step) if s != DRILL], mine
+        assert all(mine[s]["weight_sync_max_abs_logprob_diff"] <= 1e-4 for s in trained)
+        assert all(mine[s]["staleness"] <= 1 for s in trained), mine
+        assert [mine[s]["staleness"] for s in (0, 1)] == [0, 1]  # both sampled at version 0
+    # one check per push, taken by both ranks: the same numbers on each
+    assert all(
+        steps[0][s]["weight_sync_max_abs_logprob_diff"]
+        == steps[1][s]["weight_sync_max_abs_logprob_diff"]
+        for s in range(failed_step)  # the failed step's push got no check back
+    )
+    said = [line for line in first.text if line.startswith("grpod run:")]
+    errors = [line for line in said if line.startswith(f"grpod run: error: step {failed_step}: ")]
+    assert len(errors) == 2 and all("rollout server" in line for line in errors), said
+    assert said[-1].startswith("grpod run: the job exits 1 (exit codes: rank 0 1, rank 1 1)"), said
+    stopping = first.by_rank("stopping")
+    assert [stopping[r][-1]["exit_code"] for r in (0, 1)] == [1, 1], first.tail()
+    assert not group_alive(servers[0]), "the killed server's engine or workers outlived it"
+    listed = cli("incidents", "list", "--run-dir", "run", "--json", cwd=work)
+    assert listed.returncode == 0, listed.stderr
+    incidents = {i["guard"]: i for i in json.loads(listed.stdout)}
+    assert incidents["rollout"]["step"] == failed_step, incidents
+    assert incidents["weight_sync"]["step"] == DRILL, incidents
+    checked = cli("fsck", "--run-dir", "run", cwd=work)
+    assert checked.returncode == 0, checked.stdout + checked.stderr  # nothing half-written
+
+    second = Agent(args, work)
+    assert second.wait(timeout=1500) == 0, second.tail()
+    started = second.by_rank("started")
+    assert [started[r][-1]["next_step"] for r in (0, 1)] == [failed_step, failed_step]
+    rerun = {r: {e["step"]: e for e in events} for r, events in second.by_rank("step").items()}
+    for rank in (0, 1):
+        mine = rerun[rank]
+        assert sorted(mine) == list(range(failed_step, MAX_STEPS)), mine
+        assert all(e["outcome"] == "applied" for e in mine.values()), mine
+        assert all(e["weight_sync_max_abs_logprob_diff"] <= 1e-4 for e in mine.values())
+        assert [mine[s]["staleness"] for s in (failed_step, failed_step + 1)] == [0, 1]
+    (server,) = second.by_rank("rollout server")[0]
+    assert not group_alive(int(server["pid"])), "the server's process group outlived the job"
+
+    assert MAIN_GRPOD.is_file(), "make test-vllm builds .venv first"
+    async_step = failed_step + 1  # sampled a version behind the policy that trained on it
+    for rank in (0, 1):  # each rank's part alone, in one process without vLLM
+        replay = ["replay", "--run-dir", "run", "--step", str(async_step), "--rank", str(rank)]
+        done = subprocess.run(
+            [str(MAIN_GRPOD), *replay, "--json"],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["reproduced"] is True and result["step"] == async_step, result
