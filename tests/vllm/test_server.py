@@ -27,7 +27,8 @@ DRILL = 2  # the push before this step's rollout corrupts one matrix
 MAX_STEPS = 12
 
 
-def campaign(work: Path) -> None:
+def campaign(work: Path, drill: int = DRILL) -> None:
+    """The campaign's config: the push before step `drill` corrupted."""
     write_config(
         work / "grpod.toml",
         {
@@ -42,7 +43,7 @@ def campaign(work: Path) -> None:
                 "threads": 1,
                 "max_staleness": 1,
                 "tis_cap": 2.0,
-                "faults": {"weight_sync_corrupt_steps": [DRILL]},
+                "faults": {"weight_sync_corrupt_steps": [drill]},
             },
             "daemon": {
                 "metrics": False,

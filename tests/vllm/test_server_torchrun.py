@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from grpod.engine.vllm_server import group_alive
-from tests.daemon.helpers import cli, write_config
+from tests.daemon.helpers import cli
+from tests.vllm.test_server import campaign
 
 pytestmark = pytest.mark.slow
 
@@ -92,42 +93,13 @@ class Agent:
         return found
 
 
-def campaign(work: Path) -> None:
-    write_config(
-        work / "grpod.toml",
-        {
-            "engine": {
-                "rollout_backend": "vllm-server",
-                "task": "copy",
-                "prompts_per_step": 4,
-                "group_size": 4,
-                "max_new_tokens": 4,
-                "seq_len": 64,
-                "weight_sync_probe_tokens": 128,
-                "threads": 1,
-                "max_staleness": 1,
-                "tis_cap": 2.0,
-                "faults": {"weight_sync_corrupt_steps": [DRILL]},
-            },
-            "daemon": {
-                "metrics": False,
-                "log_format": "json",
-                "progress": "off",
-                "checkpoint_every": 2,
-            },
-            "forensics": {"episode_gap_steps": 0},
-            "guards.weight_sync": {"action": "FLUSH"},  # go on after the drill
-        },
-    )
-
-
 @pytest.mark.timeout(2400)  # two server starts and two 2-rank jobs on a 2-core machine
 def test_one_server_serves_both_ranks_through_a_drill_a_killed_server_and_a_resume(
     tmp_path: Path,
 ) -> None:
     work = tmp_path / "work"
     work.mkdir()
-    campaign(work)
+    campaign(work, DRILL)
     args = ["--config", "grpod.toml", "--run-dir", "run", "--max-steps", str(MAX_STEPS)]
     servers: list[int] = []
     logged: dict[int, set[int]] = {0: set(), 1: set()}
