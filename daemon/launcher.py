@@ -229,10 +229,11 @@ def precheck(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
     if plan.resume:
         RunDirLock.acquire(plan.run_dir.path).release()  # another live run: its pid named
     nodes = str(args.nnodes or "1")
-    world = None
+    world = per_node = None
     if ":" not in nodes and str(args.nproc_per_node).isdigit():
-        world = int(nodes) * int(args.nproc_per_node)
-    preflight(plan.config.engine, world=world)
+        per_node = int(args.nproc_per_node)
+        world = int(nodes) * per_node
+    preflight(plan.config.engine, world=world, per_node=per_node)
 
 
 def launch(args: argparse.Namespace, overrides: dict[str, Any]) -> int:

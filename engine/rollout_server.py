@@ -73,10 +73,9 @@ class ServerSampler:
         self.served = ServedModel(model, config, probe_tokens)
         self.probe_tokens, self.max_model_len = self.served.probe_tokens, self.served.max_model_len
         self.process: ServerProcess | None = None
-        self.peer = peer_of is not None
-        self._own_sync_dir = not config.vllm_server_sync_dir and not self.peer
+        self._own_sync_dir = not config.vllm_server_sync_dir and peer_of is None
         self.sync_dir: Path | None = None  # where the pushes' snapshots go (not a peer's)
-        if not self.peer:
+        if peer_of is None:
             self.sync_dir = Path(
                 config.vllm_server_sync_dir or tempfile.mkdtemp(prefix="grpod-vllm-sync-")
             )
@@ -91,7 +90,7 @@ class ServerSampler:
             url = f"http://{host}:{port}"
         self.client = ServerClient(url, config.vllm_server_timeout_seconds)
         try:
-            if url == peer_of or config.vllm_server_url:
+            if peer_of is not None or config.vllm_server_url:
                 self.client.get("/health")
             else:
                 self.process = ServerProcess(
@@ -179,7 +178,7 @@ class ServerSampler:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.process is not None:
             self.process.stop()
-        if self._own_sync_dir and self.sync_dir is not None:
+        if self._own_sync_dir:
             shutil.rmtree(self.sync_dir, ignore_errors=True)
         elif self._snapshot is not None:
             shutil.rmtree(self._snapshot, ignore_errors=True)

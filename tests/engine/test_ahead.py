@@ -112,11 +112,15 @@ def test_a_node_server_is_refused_where_it_would_not_serve_one_job_per_node(monk
     with pytest.raises(EngineError, match="serves a node of one data-parallel job"):
         check_parallel(config(**server, parallel="none"), world=2)
     named = config(**server, vllm_server_url="http://10.0.0.1:8000")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert check_parallel(named, world=2) == "fsdp2"  # one node: its ranks share the one named
+    with pytest.raises(EngineError, match="vllm_server_url: one server per node"):
+        check_parallel(named, world=2, per_node=1)  # the agent's check of a 2-node job
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a rank of that job: torchrun's environment
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     with pytest.raises(EngineError, match="vllm_server_url: one server per node"):
-        check_parallel(named, world=2)
+        check_parallel(named)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert check_parallel(named) == "fsdp2"
 
 
 class Gate:
