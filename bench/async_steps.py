@@ -8,7 +8,8 @@ Two parts, each one invocation with its sides interleaved step by step (`run_loc
   with the default `GuardPolicy`). A step's time includes waiting, at its end, for the
   rollout it launched: a side's background sampling never runs on another side's time.
   Colocated vLLM and the torch sampler sample at launch whatever `max_staleness` is (no
-  overlap), so they run at 0 only.
+  overlap), so they run at 0 only. `trl` (W1 only): TRL's GRPOTrainer on the same task with
+  its default generation, in `.venv` (TRL 1.16's vLLM server mode needs vllm <= 0.31).
 - `--part learning` (`.venv`): W1c (`copy`, constant lr 1e-3, the torch sampler) at
   `max_staleness` 0, 1 and 2 for each of `--seeds`: steps and wall seconds to a 5-step mean
   reward of 0.8 and 0.9. Every side runs with `tis_cap = 2` (required above 0) so that the
@@ -17,7 +18,7 @@ Two parts, each one invocation with its sides interleaved step by step (`run_loc
   figures of the server's async steps too.
 
     .venv-vllm/bin/python bench/async_steps.py --part throughput [--steps 30] [--workload W1]
-        [--sides torch,vllm,vllm-server-k0,vllm-server-k1,vllm-server-k2]
+        [--sides torch,vllm,vllm-server-k0,vllm-server-k1,vllm-server-k2,trl]
     .venv/bin/python bench/async_steps.py --part learning [--steps 300] [--seeds 0 1 2]
 
 Prints one JSON line (also appended to bench/out/results.jsonl).
@@ -39,6 +40,7 @@ from common import (  # noqa: E402
     W2_ENGINE,
     W2_SETTINGS,
     _grpod_worker,
+    _trl_worker,
     emit,
     engine_config,
     peak_rss_mib,
@@ -91,12 +93,17 @@ def throughput(args: argparse.Namespace) -> dict:
     sides = {"torch": ("torch", 0), "vllm": ("vllm", 0)}
     for k in (0, 1, 2):
         sides[f"vllm-server-k{k}"] = ("vllm-server", k)
-    wanted = args.sides.split(",") if args.sides else list(sides)
+    wanted = args.sides.split(",") if args.sides else [*sides, "trl"]
     specs = {
         name: (throughput_worker, (backend, k, args.workload), {})
         for name, (backend, k) in sides.items()
         if name in wanted
     }
+    if "trl" in wanted and args.workload == "W1":
+        # TRL's GRPOTrainer, its default generation: TRL 1.16's vLLM server mode needs
+        # vllm <= 0.31 (this vLLM is 0.32), and TRL is not in .venv-vllm: it runs in .venv
+        python = ROOT / ".venv" / "bin" / "python"
+        specs["trl"] = (_trl_worker, ("arith", args.steps + 1), {"BENCH_PYTHON": str(python)})
     trace = run_lockstep(specs, args.steps)
     skip = 3  # the first steps warm caches on every side
     out = {}
@@ -105,13 +112,21 @@ def throughput(args: argparse.Namespace) -> dict:
         out[name] = {
             "median_s_per_step": round(statistics.median(t["seconds"][skip:]), 5),
             "steps_per_s": round(1 / statistics.median(t["seconds"][skip:]), 3),
-            "rollout_wait_s": round(statistics.median(p["rollout"] for p in phases), 5),
-            "overlap_s": round(statistics.median(p["overlap"] for p in phases), 5),
-            "max_staleness_seen": int(max(p["staleness"] for p in t["phases"])),
             "peak_rss_mib": round(t["peak_rss_mib"], 1),
             "reward_last5": round(statistics.mean(t["reward"][-5:]), 4),
         }
+        if name != "trl":  # TRL reports no phases
+            out[name]["rollout_wait_s"] = round(statistics.median(p["rollout"] for p in phases), 5)
+            out[name]["overlap_s"] = round(statistics.median(p["overlap"] for p in phases), 5)
+            out[name]["max_staleness_seen"] = int(max(p["staleness"] for p in t["phases"]))
     ratios = {}
+    if "trl" in out:  # every grpod side against TRL's default generation, W1
+        for name in out:
+            if name != "trl":
+                key = f"ratio_steps_per_s_{name}_over_trl".replace("-", "_")
+                ratios[key] = round(
+                    out["trl"]["median_s_per_step"] / out[name]["median_s_per_step"], 3
+                )
     for name in out:
         for other in out:
             if name != other and name.startswith("vllm-server-k") and other != "vllm-server-k2":

@@ -18,6 +18,7 @@ import random
 import re
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -347,7 +348,23 @@ def run_lockstep(
         os.environ.update(env)  # a spawned child starts with the parent's environment
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-        proc.start()
+        # BENCH_PYTHON: this side's interpreter (another venv: TRL beside .venv-vllm's vLLM),
+        # with its own sys.path (a spawned child takes the parent's) and this directory
+        python, path = env.get("BENCH_PYTHON", sys.executable), list(sys.path)
+        if python != sys.executable:
+            own = subprocess.run(
+                [python, "-c", "import json, sys; print(json.dumps(sys.path))"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            sys.path[:] = [str(Path(__file__).parent), *json.loads(own.stdout)]
+        ctx.set_executable(python)
+        try:
+            proc.start()
+        finally:
+            ctx.set_executable(sys.executable)
+            sys.path[:] = path
         os.environ.clear()
         os.environ.update(saved)
         sides[name] = {"conn": parent, "proc": proc}
