@@ -33,6 +33,9 @@ HEALTH_POLL_SECONDS = 0.25
 STOP_SECONDS = 30.0  # SIGTERM to the server's process group, then SIGKILL
 EXIT_GRACE_SECONDS = 2.0  # after a failed request: how long an exiting server may take
 _LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+# a Python traceback's last line (an exception's name and message), vLLM's process prefix
+# allowed: what a server that died while starting died of
+_EXCEPTION = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:[\w.]+\.)?\w*(?:Error|Exception): ")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -144,10 +147,12 @@ class ServerProcess:
             time.sleep(HEALTH_POLL_SECONDS)
 
     def last_error(self) -> str:
-        """The server's last error line (or last line), for a failure's message."""
+        """The server's last exception (a traceback's last line), else its last ERROR line,
+        else its last line, for a failure's message."""
         lines = list(self.last_lines)
+        raised = [line for line in lines if _EXCEPTION.match(line)]
         errors = [line for line in lines if _LEVEL.search(line[:80] or "") and "ERROR" in line]
-        line = (errors or lines or [""])[-1]
+        line = (raised or errors or lines or [""])[-1]
         return f": {line}" if line else ""
 
     def stop(self, timeout_seconds: float = STOP_SECONDS) -> None:

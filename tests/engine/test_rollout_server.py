@@ -6,7 +6,9 @@ retry. The real vLLM server runs in tests/vllm (`make test-vllm`)."""
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -21,6 +23,7 @@ from grpod.engine import Engine, EngineError
 from grpod.engine.errors import SamplerError
 from grpod.engine.preflight import preflight
 from grpod.engine.rollout_server import ServerSampler
+from grpod.engine.vllm_server import ServerClient, ServerProcess, free_port
 from tests.engine.helpers import config
 
 TIMEOUT = 0.5  # seconds: the client's limit; the silent stand-in never answers at all
@@ -266,6 +269,31 @@ def test_a_server_that_exits_while_starting_is_one_line(tmp_path: Path) -> None:
     )
     with pytest.raises(SamplerError, match=r"exited with status 1 while starting: .*vllm"):
         engine.start_sampler()
+
+
+def test_a_server_that_dies_while_starting_is_named_by_its_exception_not_its_shutdown() -> None:
+    # vLLM killed at start-up prints its traceback, then pages of shutdown lines
+    died = "; ".join(
+        [
+            "print('(APIServer pid=7) INFO 12-02 [api_utils.py:286] non-default args')",
+            "print('Traceback (most recent call last):')",
+            "print('  File \"prometheus_client/values.py\", line 1, in __init__')",
+            "print('FileNotFoundError: [Errno 2] No such file: run/prometheus/counter_7.db')",
+            "print('(APIServer pid=7) WARNING [utils.py:653] [shutdown] force killing EngineCore')",
+            "raise SystemExit(1)",
+        ]
+    )
+    server = ServerProcess(
+        [sys.executable, "-c", died], dict(os.environ), logging.getLogger("test.server")
+    )
+    client = ServerClient(f"http://127.0.0.1:{free_port('127.0.0.1')}", 5)
+    with pytest.raises(SamplerError) as failed:
+        server.wait_ready(client, 60)
+    assert str(failed.value).endswith(
+        "exited with status 1 while starting: FileNotFoundError: [Errno 2] No such file: "
+        "run/prometheus/counter_7.db"
+    ), failed.value
+    server.stop()
 
 
 @pytest.mark.parametrize(
