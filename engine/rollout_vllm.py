@@ -106,6 +106,9 @@ class VLLMSampler:
                 logprobs_mode="processed_logprobs",
                 enable_prefix_caching=True,
                 enforce_eager=self.platform == "cpu",  # no graph capture or compile on CPU
+                # a prompt prefilled in part rewinds its seeded generator, which a CPU
+                # generator cannot: the engine core dies (tests/vllm/test_long_prompts.py)
+                enable_chunked_prefill=self.platform != "cpu",
                 **memory,
             )
         except Exception as exc:  # vLLM raises many types for a model it cannot serve
