@@ -9,7 +9,8 @@ part alone in one process (its local valid tokens and loss); last, one job loses
 SIGKILL (the agent tears it down and exits 1), and one process (world size 1) resumes the last
 complete 2-rank checkpoint resharded, past a half-written one. Then a short `parallel = "ddp"`
 LoRA campaign a guard HALTs (exit 3; one rank, then the whole step replayed in one process),
-two "nodes" on loopback (`--nnodes 2`, one rank each, one run dir), a
+two "nodes" on loopback (`--nnodes 2`, one rank each, one run dir), a node's rollout server
+that dies while starting (every rank's one line, exit 1, nothing created), a
 LoRA campaign under `fsdp2` stopped, resumed, replayed and exported, and a job a rank refuses
 before its first step (exit 2, one line per rank, nothing created).
 """
@@ -437,6 +438,47 @@ def test_a_refusal_on_one_rank_is_every_ranks_one_line_and_exit_2(tmp_path) -> N
         ]
     ), done.stderr
     assert "Traceback" not in done.stderr and not run_dir.exists()
+
+
+STAND_IN_SERVER = """#!/bin/sh
+# a vllm_server_python that preflight finds vLLM in, and whose server dies while starting
+[ "$1" = "-c" ] && exit 0
+echo "(APIServer pid=$$) INFO [api_server.py:1] vLLM API server starting" >&2
+echo "Traceback (most recent call last):" >&2
+echo "RuntimeError: stand-in server: no device to start on" >&2
+echo "(APIServer pid=$$) WARNING [shutdown] force killing remaining process EngineCore" >&2
+exit 1
+"""
+
+
+def test_a_node_server_that_dies_while_starting_is_every_ranks_line_and_exit_1(
+    tmp_path,
+) -> None:
+    """vllm-server under torchrun: local rank 0 starts the node's server, which dies while
+    starting. Every rank says one line naming its exception (rank 1: that it was rank 0's),
+    the agent exits 1 (not the input's fault: systemd restarts it), and nothing is created."""
+    python = tmp_path / "python"
+    python.write_text(STAND_IN_SERVER)
+    python.chmod(0o755)
+    engine = {**TINY_ENGINE, "rollout_backend": "vllm-server", "vllm_server_python": str(python)}
+    config = write_config(
+        tmp_path / "grpod.toml",
+        {"engine": engine, "daemon": {"metrics_port": free_port(), "log_format": "json"}},
+    )
+    run_dir = tmp_path / "run"
+    args = launcher("--config", str(config), "--run-dir", str(run_dir), "--max-steps", "2")
+    done = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    died = (
+        "exited with status 1 while starting: RuntimeError: stand-in server: no device to start on"
+    )
+    lines = [line for line in done.stderr.splitlines() if line.startswith("grpod run: error:")]
+    ranks = [line for line in lines if died in line]
+    assert len(ranks) == 2, lines
+    assert sum("(on local rank 0, which runs the node's rollout server)" in x for x in ranks) == 1
+    assert any("exit codes: rank 0 1, rank 1 1" in line for line in done.stderr.splitlines())
+    assert not any(x.startswith("Traceback") for x in done.stderr.splitlines()), done.stderr
+    assert not run_dir.exists()  # the server starts before the run dir is created
 
 
 def test_lora_under_fsdp2_stops_resumes_replays_and_exports(tmp_path) -> None:
