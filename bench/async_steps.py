@@ -8,8 +8,9 @@ Two parts, each one invocation with its sides interleaved step by step (`run_loc
   with the default `GuardPolicy`). A step's time includes waiting, at its end, for the
   rollout it launched: a side's background sampling never runs on another side's time.
   Colocated vLLM and the torch sampler sample at launch whatever `max_staleness` is (no
-  overlap), so they run at 0 only. `trl` (W1 only): TRL's GRPOTrainer on the same task with
-  its default generation, in `.venv` (TRL 1.16's vLLM server mode needs vllm <= 0.31).
+  overlap), so they run at 0 only. `trl`: TRL's GRPOTrainer on the same task with its
+  default generation, in `.venv` (TRL 1.16's vLLM server mode needs vllm <= 0.31); at W2 on
+  grpod's per-step prompts in step order (`common.w2_trl_task`).
 - `--part learning` (`.venv`): W1c (`copy`, constant lr 1e-3, the torch sampler) at
   `max_staleness` 0, 1 and 2 for each of `--seeds`: steps and wall seconds to a 5-step mean
   reward of 0.8 and 0.9. Every side runs with `tis_cap = 2` (required above 0) so that the
@@ -99,11 +100,12 @@ def throughput(args: argparse.Namespace) -> dict:
         for name, (backend, k) in sides.items()
         if name in wanted
     }
-    if "trl" in wanted and args.workload == "W1":
+    if "trl" in wanted:
         # TRL's GRPOTrainer, its default generation: TRL 1.16's vLLM server mode needs
         # vllm <= 0.31 (this vLLM is 0.32), and TRL is not in .venv-vllm: it runs in .venv
         python = ROOT / ".venv" / "bin" / "python"
-        specs["trl"] = (_trl_worker, ("arith", args.steps + 1), {"BENCH_PYTHON": str(python)})
+        task = "arith" if args.workload == "W1" else "kv-retrieval"
+        specs["trl"] = (_trl_worker, (task, args.steps + 1), {"BENCH_PYTHON": str(python)})
     trace = run_lockstep(specs, args.steps)
     skip = 3  # the first steps warm caches on every side
     out = {}
@@ -120,7 +122,7 @@ def throughput(args: argparse.Namespace) -> dict:
             out[name]["overlap_s"] = round(statistics.median(p["overlap"] for p in phases), 5)
             out[name]["max_staleness_seen"] = int(max(p["staleness"] for p in t["phases"]))
     ratios = {}
-    if "trl" in out:  # every grpod side against TRL's default generation, W1
+    if "trl" in out:  # every grpod side against TRL's default generation
         for name in out:
             if name != "trl":
                 key = f"ratio_steps_per_s_{name}_over_trl".replace("-", "_")

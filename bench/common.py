@@ -124,7 +124,26 @@ def task_prompts(task: str) -> list[tuple[str, str]]:
     return [(p.text, p.answer) for p in build_task(task).prompts]
 
 
-def completion_reward(completion_ids: list[int], answer: str) -> float:
+def w2_trl_task(steps: int) -> tuple[list[tuple[str, str]], str, dict]:
+    """W2 for TRL: grpod's per-step kv-retrieval prompts (W2_SETTINGS' long-batch fraction,
+    engine seed 0) for `steps` steps in step order, the task's characters, and the TRL
+    settings that differ from W1's (4 prompts x 4 completions, no shuffling, so that TRL's
+    step i trains on grpod's step-i prompts)."""
+    from grpod.engine.tasks import build_task
+
+    task = build_task("kv-retrieval", long_batch_fraction=W2_SETTINGS["long_prompt_batch_fraction"])
+    n = W2_ENGINE["prompts_per_step"]
+    prompts = [(p.text, p.answer) for s in range(steps) for p in task.prompts_for_step(s, n, 0)]
+    group = W2_ENGINE["group_size"]
+    settings = {
+        "per_device_train_batch_size": n * group,
+        "num_generations": group,
+        "shuffle_dataset": False,
+    }
+    return prompts, task.chars, settings
+
+
+def completion_reward(completion_ids: list[int], answer: str, chars: str = ARITH_CHARS) -> float:
     """The engine's reward rule on token ids: the first character of the decoded completion.
 
     The engine decodes with `CharTokenizer.decode` (stop at `<eos>`, drop `<pad>`/`<bos>`)
@@ -133,7 +152,7 @@ def completion_reward(completion_ids: list[int], answer: str) -> float:
     """
     from grpod.engine.tokenizer import CharTokenizer
 
-    text = CharTokenizer(ARITH_CHARS).decode(list(completion_ids))
+    text = CharTokenizer(chars).decode(list(completion_ids))
     return 1.0 if text[:1] == answer[:1] else 0.0
 
 
@@ -182,11 +201,13 @@ GRPOD_MATCHES_TRL = {
 }
 
 
-def trl_config(max_steps: int, output_dir: str, seed: int = 0):
+def trl_config(max_steps: int, output_dir: str, seed: int = 0, **overrides: Any):
     from trl import GRPOConfig
 
     settings = {k: v for k, (v, _) in TRL_CHANGED.items()}
-    return GRPOConfig(output_dir=output_dir, max_steps=max_steps, **{**settings, "seed": seed})
+    return GRPOConfig(
+        output_dir=output_dir, max_steps=max_steps, **{**settings, "seed": seed, **overrides}
+    )
 
 
 def _grpod_worker(conn, task: str, overrides: dict) -> None:
@@ -221,12 +242,18 @@ def _trl_worker(conn, task: str, max_steps: int, seed: int = 0, guarded: bool = 
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    prompts = task_prompts(task)
+    if task == "kv-retrieval":  # W2: per-step prompts, 256-token positions, 4 x 4 per step
+        prompts, chars, overrides = w2_trl_task(max_steps + 1)
+        from grpod.engine.model import build_tiny_qwen2
+
+        model = build_tiny_qwen2(len(SPECIALS) + len(chars), W2_ENGINE["seq_len"])
+    else:
+        prompts, chars, overrides, model = task_prompts(task), ARITH_CHARS, {}, build_model()
     dataset = Dataset.from_list([{"prompt": p, "answer": a} for p, a in prompts])
     last: dict[str, float] = {}
 
     def reward(prompts, completions, completion_ids, answer, **_) -> list[float]:
-        values = [completion_reward(ids, a) for ids, a in zip(completion_ids, answer)]
+        values = [completion_reward(ids, a, chars) for ids, a in zip(completion_ids, answer)]
         last["reward"] = sum(values) / len(values)
         last["tokens"] = sum(len(ids) for ids in completion_ids)
         return values
@@ -251,7 +278,6 @@ def _trl_worker(conn, task: str, max_steps: int, seed: int = 0, guarded: bool = 
         def on_train_end(self, args, state, control, **kwargs):
             self._report()
 
-    model = build_model()
     with tempfile.TemporaryDirectory() as out:
         cls, extra = GRPOTrainer, {}
         if guarded:
@@ -261,9 +287,9 @@ def _trl_worker(conn, task: str, max_steps: int, seed: int = 0, guarded: bool = 
         trainer = cls(
             model=model,
             reward_funcs=[reward],
-            args=trl_config(max_steps, f"{out}/trl", seed),
+            args=trl_config(max_steps, f"{out}/trl", seed, **overrides),
             train_dataset=dataset,
-            processing_class=build_hf_tokenizer(),
+            processing_class=build_hf_tokenizer(chars),
             callbacks=[Lockstep()],
             **extra,
         )
