@@ -42,8 +42,15 @@ def save(
     parallel: Parallel,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write `states` to directory `path`; distributed: collective, every rank the same `path`."""
+    """Write `states` to directory `path`; distributed: collective, every rank the same `path`.
+
+    Replicas under torchrun (`parallel = "none"`: no process group) write rank 0's state
+    only: every rank writing its own to the one directory raced (a rename onto the
+    directory a peer had just published failed the step, else the last writer won), and a
+    resume restores every replica from it."""
     if not parallel.distributed:
+        if parallel.rank != 0:
+            return Path(path)
         return save_checkpoint(path, states, extra)
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp

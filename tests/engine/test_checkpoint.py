@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpod.engine import Engine, EngineError
+from grpod.engine import Engine, EngineError, distcp
 from grpod.engine.checkpoint import load_checkpoint, save_checkpoint
+from grpod.engine.parallel import Parallel
 from tests.engine.helpers import config
 
 
@@ -37,3 +38,17 @@ def test_a_pending_step_or_a_missing_state_is_refused(tmp_path: Path) -> None:
     save_checkpoint(tmp_path / "ck", {"engine": engine})
     with pytest.raises(EngineError, match="holds no guards state"):
         load_checkpoint(tmp_path / "ck", {"engine": engine, "guards": engine})
+
+
+def test_replicas_under_torchrun_checkpoint_rank_0s_state_alone(tmp_path: Path) -> None:
+    # parallel = "none" under torchrun: a replica per rank, one run dir, no process group.
+    # Two writers of one checkpoint directory raced (a step failed with "Directory not
+    # empty" in the two-node test), and the last one's state won.
+    engine = Engine(config(prompts_per_step=2, group_size=4))
+    where = tmp_path / "step-00000001"
+    peer = distcp.save(where, {"engine": engine}, Parallel("none", rank=1, world_size=2))
+    assert peer == where and not where.exists() and list(tmp_path.iterdir()) == []
+    distcp.save(where, {"engine": engine}, Parallel("none", rank=0, world_size=2))
+    resumed = Engine(config(prompts_per_step=2, group_size=4))
+    distcp.load(where, {"engine": resumed}, Parallel("none", rank=1, world_size=2))
+    assert resumed.state_digest() == engine.state_digest()
