@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -270,6 +271,12 @@ class EngineConfig(BaseModel):
         default_factory=FaultsConfig,
         description="drill fault injection (engine/faults.py); off by default",
     )
+
+    @field_validator("model")
+    @classmethod
+    def _expand_home(cls, value: str) -> str:
+        # a model in the user cache (`make model-smollm2`) is named as ~/.cache/grpod/...
+        return os.path.expanduser(value) if value.startswith("~") else value
 
     @field_validator("group_size")
     @classmethod
