@@ -118,18 +118,35 @@ class AdvantageConfig(_Section):
 
 
 class SamplerMismatchConfig(_Section):
-    """Sampler vs trainer logprobs of the same tokens."""
+    """Sampler vs trainer logprobs of the same tokens: disagreement at the same weight
+    version, and policy drift (its own, looser bounds) when the rollout is stale."""
 
     p99_max_nats: float = Field(1.0, gt=0.0)
     fraction_above_0_1_max: float = Field(0.2, ge=0.0, le=1.0)
+    drift_p99_max_nats: float = Field(
+        4.0, gt=0.0, description="a stale rollout (max_staleness > 0): p99 per version behind"
+    )
+    drift_fraction_above_0_1_max: float = Field(
+        0.8, ge=0.0, le=1.0, description="a stale rollout: the fraction above 0.1 nats"
+    )
     action: ActionName = "WARN"
 
 
 class ClipConfig(_Section):
-    """Clipping that suppresses real updates: clip coefficient small on most recent steps."""
+    """Clipping that suppresses real updates: on most recent steps the clip coefficient is
+    small while the pre-clip grad norm is far above the run's own baseline."""
 
     window: int = Field(32, ge=1)
     clip_coef_min: float = Field(0.2, gt=0.0, le=1.0)
+    norm_ratio_max: float = Field(
+        4.0,
+        ge=1.0,
+        description="a clipped step counts when its pre-clip grad norm exceeds this multiple "
+        "of the baseline",
+    )
+    baseline_steps: int = Field(
+        16, ge=1, description="the baseline: the median grad norm of the run's first N steps"
+    )
     fraction_max: float = Field(0.5, ge=0.0, le=1.0)
     action: ActionName = "WARN"
 

@@ -1,8 +1,13 @@
-"""`gradnorm_vtc_correlation`: the grad norm tracking 1 / valid_tokens betrays a per-micro counter.
+"""`gradnorm_vtc_correlation`: the grad norm tracking the counter's scale error betrays it.
 
-With a correct step-level counter the gradient is scaled by the step's own token total and the
-pre-clip grad norm does not follow 1 / valid_tokens; with a counter that reads one chunk, it does
-(corr 0.83 over 76 steps in the campaign this guard comes from).
+The loss is divided by the engine's valid-token count. With a counter that reads one chunk
+instead of the step total, the gradient is scaled by expected / valid (the loss mask's sum over
+the counter's reading) and the pre-clip grad norm follows that factor: corr 0.83 with 1 / vtc
+over 76 steps in the campaign this guard comes from. The guard correlates the grad norm with
+expected / valid rather than with 1 / valid: on a healthy run whose completions lengthen (a
+converging policy at full length) the grad norm of a token-mean loss shrinks as 1 / valid does,
+although the counter is exact (corr 0.95 over 16 steps on the converged toy run); with an exact
+counter expected / valid is 1 on every step and there is nothing to correlate.
 """
 
 from __future__ import annotations
@@ -38,31 +43,32 @@ def is_evidence(grad_norm: float, valid_tokens: float) -> bool:
 
 
 class GradNormVTCCorrelationGuard(Guard):
-    """WARN when the rolling Pearson correlation of grad norm and 1 / valid_tokens exceeds the
-    threshold. Steps with no gradient (grad norm 0: every advantage 0), no valid tokens or a
-    non-finite grad norm carry no evidence of the token scale and are not recorded."""
+    """WARN when the rolling Pearson correlation of grad norm and expected_valid_tokens /
+    valid_tokens exceeds the threshold (a constant ratio, an exact counter, reads None). Steps
+    with no gradient (grad norm 0: every advantage 0), no valid tokens or a non-finite grad norm
+    carry no evidence of the token scale and are not recorded."""
 
     name = "gradnorm_vtc_correlation"
 
     def __init__(self, config) -> None:
         self.grad_norms = Window(config.window)
-        self.inverse_valid = Window(config.window)
+        self.scale_errors = Window(config.window)  # expected / valid tokens, step by step
         self.value: float | None = None
         super().__init__(config)
 
     def configure(self, config) -> None:
         super().configure(config)
         self.grad_norms.resize(config.window)
-        self.inverse_valid.resize(config.window)
+        self.scale_errors.resize(config.window)
         self.value = self._compute()
 
     def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
-        self.observe(report.grad_norm, report.valid_tokens)
+        self.observe(report.grad_norm, report.valid_tokens, report.expected_valid_tokens)
         if self.value is None or self.value <= self.config.threshold:
             return []
         return [
             self.finding(
-                f"grad norm tracks 1/valid_tokens: corr {self.value:.3f} > "
+                f"grad norm tracks expected/valid tokens: corr {self.value:.3f} > "
                 f"{self.config.threshold} over {len(self.grad_norms)} steps",
                 correlation=self.value,
                 steps=float(len(self.grad_norms)),
@@ -70,28 +76,30 @@ class GradNormVTCCorrelationGuard(Guard):
             )
         ]
 
-    def observe(self, grad_norm: float, valid_tokens: float) -> None:
+    def observe(self, grad_norm: float, valid_tokens: float, expected_valid_tokens: float) -> None:
         """Take one step's reading into the window (`grpod plot` replays a run through this)."""
-        if is_evidence(grad_norm, valid_tokens):
+        if is_evidence(grad_norm, valid_tokens) and math.isfinite(expected_valid_tokens):
             self.grad_norms.append(grad_norm)
-            self.inverse_valid.append(1.0 / valid_tokens)
+            self.scale_errors.append(expected_valid_tokens / valid_tokens)
             self.value = self._compute()
 
     def _compute(self) -> float | None:
         if len(self.grad_norms) < self.config.min_steps:
             return None
-        return pearson(list(self.grad_norms.values), list(self.inverse_valid.values))
+        return pearson(list(self.grad_norms.values), list(self.scale_errors.values))
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "grad_norms": list(self.grad_norms.values),
-            "inverse_valid_tokens": list(self.inverse_valid.values),
+            "token_scale_errors": list(self.scale_errors.values),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # an older grpod saved 1 / valid_tokens ("inverse_valid_tokens"): not this series, so
+        # its window starts again
         grads = load_floats(state, "grad_norms", self.name)
-        inverse = load_floats(state, "inverse_valid_tokens", self.name)
-        n = min(len(grads), len(inverse))
+        errors = load_floats(state, "token_scale_errors", self.name)
+        n = min(len(grads), len(errors))
         self.grad_norms = Window(self.config.window, grads[len(grads) - n :])
-        self.inverse_valid = Window(self.config.window, inverse[len(inverse) - n :])
+        self.scale_errors = Window(self.config.window, errors[len(errors) - n :])
         self.value = self._compute()

@@ -182,7 +182,8 @@ class GuardPolicy:
     # ----------------------------------------------------------------- state
     @property
     def gradnorm_vtc_correlation(self) -> float | None:
-        """The rolling correlation of grad norm and 1/valid_tokens (None until min_steps)."""
+        """The rolling correlation of grad norm and expected/valid tokens (None until min_steps,
+        or while the counter equals the loss mask)."""
         return self.guards["gradnorm_vtc_correlation"].value  # type: ignore[attr-defined]
 
     @property

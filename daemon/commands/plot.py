@@ -7,7 +7,8 @@ and its incidents; writes, into `--out`:
 - `learning.png`: reward mean ± std (and the held-out eval reward) and loss per step;
 - `outcomes.png`: each step's outcome (applied / flushed / skipped) with incidents marked;
 - `accounting.png`: valid tokens, engine counter vs host-side loss-mask sum, per step;
-- `gradnorm.png`: pre-clip grad norm against 1/valid tokens (the reversed-chunk signature),
+- `gradnorm.png`: pre-clip grad norm against expected / valid tokens (the reversed-chunk
+  signature: 1 on every step of an exact counter),
   titled with the correlation the `gradnorm_vtc_correlation` guard held after the last step
   (its window, minimum and rule of which steps count, from the run's config.toml);
 - `entropy.png`: the policy entropy per step, with the span of each campaign guard's
@@ -125,8 +126,10 @@ def gradnorm_correlation(series: RunSeries) -> tuple[float | None, int]:
     from grpod.guards.correlation import GradNormVTCCorrelationGuard
 
     guard = GradNormVTCCorrelationGuard(series.correlation or CorrelationConfig())
-    for grad_norm, valid_tokens in zip(series.grad_norm, series.valid_tokens):
-        guard.observe(grad_norm, valid_tokens)
+    for grad_norm, valid, expected in zip(
+        series.grad_norm, series.valid_tokens, series.expected_valid_tokens
+    ):
+        guard.observe(grad_norm, valid, expected)
     return guard.value, len(guard.grad_norms)
 
 
@@ -210,14 +213,16 @@ def draw_accounting(series: RunSeries, ax: Any) -> None:
 
 
 def draw_gradnorm(series: RunSeries, ax: Any) -> None:
-    """Pre-clip grad norm against 1/valid tokens, by outcome, for the steps the correlation
-    guard counts; the guard's Pearson r in the title."""
+    """Pre-clip grad norm against expected / valid tokens, by outcome, for the steps the
+    correlation guard counts; the guard's Pearson r in the title."""
     from grpod.guards.correlation import is_evidence
 
     points = [
-        (1.0 / v, g, o)
-        for v, g, o in zip(series.valid_tokens, series.grad_norm, series.outcomes)
-        if is_evidence(g, v)
+        (e / v, g, o)
+        for v, e, g, o in zip(
+            series.valid_tokens, series.expected_valid_tokens, series.grad_norm, series.outcomes
+        )
+        if is_evidence(g, v) and math.isfinite(e)
     ]
     for outcome, color in OUTCOME_COLORS.items():
         xs = [(x, g) for x, g, o in points if o == outcome]
@@ -226,11 +231,11 @@ def draw_gradnorm(series: RunSeries, ax: Any) -> None:
     r, window = gradnorm_correlation(series)
     r_text = "n/a" if r is None else f"{r:.2f}"
     ax.set_title(
-        f"grad norm vs 1/valid tokens (guard r = {r_text} over the last {window} "
+        f"grad norm vs expected/valid tokens (guard r = {r_text} over the last {window} "
         f"of {len(points)} steps)",
         fontsize=10,
     )
-    ax.set_xlabel("1 / valid tokens")
+    ax.set_xlabel("expected / valid tokens (the counter's scale error)")
     ax.set_ylabel("pre-clip grad norm")
     ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 2))
     if points:

@@ -78,3 +78,42 @@ def test_pearson() -> None:
     assert pearson([1, 2, 3], [1, 2]) is None  # unequal lengths
     assert pearson([1, 1, 1], [1, 2, 3]) is None  # no variance
     assert pearson([1e8 + 1, 1e8 + 2, 1e8 + 3], [3, 2, 1]) == -1.0  # FP64, clamped to [-1, 1]
+
+
+def test_an_exact_counter_never_correlates_however_the_lengths_move() -> None:
+    """The converged toy run: completions lengthen, a token-mean loss's grad norm falls as
+    1 / valid tokens (corr 1.0 with 1 / vtc), and the counter equals the loss mask on every
+    step. expected / valid is 1 throughout: no reading, no finding."""
+    guard = GradNormVTCCorrelationGuard(CorrelationConfig())
+    for step in range(64):
+        valid = 100 + 4 * step
+        found = guard.after(
+            batch(), report(grad_norm=50.0 / valid, valid_tokens=valid, expected_valid_tokens=valid)
+        )
+        assert found == []
+    assert guard.value is None and len(guard.grad_norms) == 64
+
+
+def test_a_counter_that_reads_part_of_the_mask_correlates() -> None:
+    """The seed's failure: the loss divided by one chunk's count, the grad norm scaled by
+    expected / valid (with the step's own noise), the mask's total nearly steady."""
+    guard = GradNormVTCCorrelationGuard(CorrelationConfig())
+    found: list = []
+    for step in range(16):
+        expected = 400 + step % 3
+        valid = 40 + 37 * (step % 5)
+        noise = 1.0 + 0.05 * ((7 * step) % 3)
+        found = guard.after(
+            batch(),
+            report(grad_norm=0.2 * noise * expected / valid, valid_tokens=valid,
+                   expected_valid_tokens=expected),
+        )  # fmt: skip
+    assert guard.value is not None and guard.value > 0.95
+    (finding,) = found
+    assert "expected/valid" in finding.message
+
+
+def test_an_older_window_of_inverse_counts_starts_again() -> None:
+    guard = GradNormVTCCorrelationGuard(CorrelationConfig())
+    guard.load_state_dict({"grad_norms": [1.0, 2.0], "inverse_valid_tokens": [0.1, 0.2]})
+    assert len(guard.grad_norms) == 0 and guard.value is None

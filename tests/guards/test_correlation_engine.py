@@ -1,5 +1,6 @@
 """The gradnorm_vtc_correlation guard on the real engine: a counter that reads chunk 0 of the
-last micro makes the grad norm follow 1/valid_tokens; the step-level counter does not.
+last micro makes the grad norm follow expected/valid tokens; the step-level counter, equal to
+the loss mask on every step, gives the guard nothing to correlate.
 
 The W2 geometry (kv-retrieval prompts of 20..245 tokens, rows of 256, 4 sequence chunks, 4 head
 chunks) with one change: the reward is 1 for any leading digit. With the W2 reward a random
@@ -54,9 +55,11 @@ def test_faulty_unreordered_run_reads_above_threshold(tmp_path: Path) -> None:
     assert policy.gradnorm_vtc_correlation > 0.8
 
 
-def test_healthy_run_reads_below_threshold(tmp_path: Path) -> None:
+def test_healthy_run_has_no_reading(tmp_path: Path) -> None:
     engine = w2_dense(tmp_path)
     policy = GuardPolicy()
     assert run(engine, policy) == {"applied"}
-    value = policy.gradnorm_vtc_correlation
-    assert value is not None and value < 0.8
+    guard = policy.guards["gradnorm_vtc_correlation"]
+    assert len(guard.grad_norms) >= guard.config.min_steps  # evidence enough: 16 steps or more
+    assert set(guard.scale_errors.values) == {1.0}
+    assert policy.gradnorm_vtc_correlation is None

@@ -47,27 +47,77 @@ def test_mismatch_thresholds_and_missing_sampler_logprobs() -> None:
     assert guard.after(batch(), report(mismatch_p99=None, mismatch_frac_above_0_1=None)) == []
 
 
-def test_clip_more_than_half_of_the_window() -> None:
-    guard = ClipGuard(ClipConfig())
-    assert guard.after(batch(), report(clip_coef=0.1)) == []  # single step: 1 of 32
+def test_mismatch_on_a_stale_rollout_is_drift_with_its_own_bounds() -> None:
+    """W4, vllm-server at max_staleness 1: 29% of tokens above 0.1 nats, p99 0.90 nats."""
+    guard = SamplerMismatchGuard(SamplerMismatchConfig())
+    stale_one = report(mismatch_p99=0.9, mismatch_frac_above_0_1=0.29, staleness=1)
+    assert guard.after(batch(), stale_one) == []
+    assert guard.after(batch(), report(mismatch_p99=0.9, mismatch_frac_above_0_1=0.29)) != []
+    assert guard.after(batch(), report(mismatch_p99=7.9, staleness=2)) == []  # 4 nats a version
+    (p99,) = guard.after(batch(), report(mismatch_p99=8.1, staleness=2))
+    assert p99.evidence["threshold"] == 8.0 and "drift over 2 versions" in p99.message
+    (fraction,) = guard.after(batch(), report(mismatch_frac_above_0_1=0.81, staleness=1))
+    assert fraction.action is Action.WARN and fraction.evidence["staleness"] == 1.0
+    on_policy = report(mismatch_p99=1.01, mismatch_frac_above_0_1=0.1, staleness=0)
+    assert "sampler/trainer" in guard.after(batch(), on_policy)[0].message
+
+
+def clip_guard_past_baseline(baseline: float = 5.0, **config: object) -> ClipGuard:
+    """A clip guard whose baseline (the median of its first 16 grad norms) is `baseline`."""
+    guard = ClipGuard(ClipConfig(**config))
+    for _ in range(guard.config.baseline_steps):
+        assert guard.after(batch(), report(grad_norm=baseline, clip_coef=1.0 / baseline)) == []
+    assert guard.baseline == baseline and len(guard.history) == 0
+    return guard
+
+
+def test_clip_at_the_runs_own_level_never_counts() -> None:
+    """W4: a pretrained model clips every healthy step (pre-clip norms 3-11, coef 0.09-0.32)."""
+    guard = clip_guard_past_baseline(5.0)
+    for i in range(64):
+        norm = 3.0 + (i % 9)  # 3..11: at most 2.2x the baseline
+        assert guard.after(batch(), report(grad_norm=norm, clip_coef=1.0 / norm)) == []
+    assert sum(guard.history) == 0
+
+
+def test_clip_far_above_the_baseline_on_more_than_half_of_the_window() -> None:
+    guard = clip_guard_past_baseline(5.0)
+    suppressed = report(grad_norm=25.0, clip_coef=0.04)  # 5x the baseline
+    assert guard.after(batch(), suppressed) == []  # single step: 1 of 32
     for _ in range(15):
-        guard.after(batch(), report(clip_coef=0.1))
+        guard.after(batch(), suppressed)
     assert sum(guard.history) == 16  # exactly half: passes
-    assert guard.after(batch(), report(clip_coef=0.2)) == []  # 0.2 is not below 0.2
-    (finding,) = guard.after(batch(), report(clip_coef=0.19))
+    assert guard.after(batch(), report(grad_norm=20.0, clip_coef=0.05)) == []  # 4x is not above
+    assert guard.after(batch(), report(grad_norm=25.0, clip_coef=0.2)) == []  # 0.2: not below
+    (finding,) = guard.after(batch(), suppressed)
     assert finding.action is Action.WARN and finding.evidence["clipped_steps"] == 17
+    assert finding.evidence["grad_norm_ratio"] == 5.0
+    assert finding.evidence["baseline_grad_norm"] == 5.0
 
 
 def test_clip_window_is_bounded_and_skips_non_finite_grad_norms() -> None:
-    guard = ClipGuard(ClipConfig())
+    guard = clip_guard_past_baseline(1.0)
     for _ in range(40):
-        guard.after(batch(), report(clip_coef=0.1))
+        guard.after(batch(), report(grad_norm=10.0, clip_coef=0.1))
     assert len(guard.history) == 32
     for _ in range(16):
-        guard.after(batch(), report(clip_coef=1.0))
-    assert guard.after(batch(), report(clip_coef=0.1)) == []  # 16 of the last 32
+        guard.after(batch(), report(grad_norm=1.0, clip_coef=1.0))
+    assert guard.after(batch(), report(grad_norm=10.0, clip_coef=0.1)) == []  # 16 of the last 32
     guard.after(batch(), report(clip_coef=0.0, grad_norm=math.inf))
     assert len(guard.history) == 32 and guard.history[-1] is True
+
+
+def test_clip_baseline_skips_zero_grad_steps_and_survives_a_checkpoint() -> None:
+    guard = ClipGuard(ClipConfig(baseline_steps=3))
+    for norm in (0.0, 2.0, 0.0, 4.0, 3.0):  # zero: every advantage 0, no level
+        guard.after(batch(), report(grad_norm=norm, clip_coef=1.0))
+    assert guard.baseline == 3.0
+    again = ClipGuard(ClipConfig(baseline_steps=3))
+    again.load_state_dict(guard.state_dict())
+    assert again.baseline == 3.0
+    older = ClipGuard(ClipConfig(baseline_steps=3))  # an older grpod's state: no baseline
+    older.load_state_dict({"clipped": [True] * 32})
+    assert older.baseline is None and len(older.history) == 0
 
 
 def test_advantage_all_zero_action_is_configurable() -> None:
