@@ -6,6 +6,8 @@ and its API server process on no TCP port; grpod's own calls (a weight push thro
 another user's process (`nobody`, the system's Python) is refused by every route, control
 routes and generation included, while the same probe run as grpod's user is answered (the
 refusal is the socket's directory, not the probe). The snapshots' directory is 0700 too.
+(vLLM's worker process keeps torch.distributed's loopback TCP listeners: a known gap,
+docs/SECURITY.md.)
 """
 
 from __future__ import annotations
