@@ -96,13 +96,13 @@ class ServerSampler:
         if not url:
             self._socket_dir = Path(tempfile.mkdtemp(prefix="grpod-vllm-"))
             url = f"{UNIX_PREFIX}{self._socket_dir / SOCKET}"
-        key = os.environ.get(config.vllm_server_api_key_env, "")
-        if config.vllm_server_api_key_env and not key:
-            raise EngineError(
-                f"engine.vllm_server_api_key_env: ${config.vllm_server_api_key_env} is not set"
-            )
-        self.client = ServerClient(url, config.vllm_server_timeout_seconds, api_key=key)
         try:
+            key = os.environ.get(config.vllm_server_api_key_env, "")
+            if config.vllm_server_api_key_env and not key:
+                raise EngineError(
+                    f"engine.vllm_server_api_key_env: ${config.vllm_server_api_key_env} is not set"
+                )
+            self.client = ServerClient(url, config.vllm_server_timeout_seconds, api_key=key)
             if peer_of is not None or config.vllm_server_url:
                 self.client.get("/health")
             else:
