@@ -17,6 +17,7 @@ from grpod.daemon.exitcodes import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
 )
+from grpod.fileio import private_umask
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    private_umask()  # run dirs, stores, exports: never readable by other users
     try:
         code = int(args.handler(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, inside the try, not at interpreter exit

@@ -23,7 +23,7 @@ from grpod.daemon.example import dump_toml
 from grpod.daemon.lock import RunDirLock
 from grpod.engine.errors import EngineError
 from grpod.engine.inputs import absolute, check_inputs, input_digests
-from grpod.fileio import atomic_dir, write_atomic
+from grpod.fileio import atomic_dir, private_umask, write_atomic
 
 CONFIG_NAME = "config.toml"
 RUN_NAME = "run.json"
@@ -69,6 +69,7 @@ class RunDir:
         whose steps it records (`grpod`, or `trl` for grpod.integrations.trl)."""
         try:
             with atomic_dir(self.path) as tmp:
+                tmp.chmod(0o750 & ~private_umask())  # even when the parent is world-readable
                 (tmp / CHECKPOINTS).mkdir()
                 # locked before it has its name: a second process never sees it unowned
                 self.held = RunDirLock.acquire(tmp, shown_as=str(self.path))

@@ -178,15 +178,24 @@ class EngineConfig(BaseModel):
     )
     vllm_server_url: str = Field(
         "",
-        pattern=r"^(|http://[^/\s]+:\d+)$",
-        description="vllm-server: an existing server (http://host:port, started with "
-        "VLLM_SERVER_DEV_MODE=1 on this model); '' = grpod starts and stops its own",
+        pattern=r"^(|http://[^/\s]+:\d+|unix:/\S+)$",
+        description="vllm-server: an existing server (http://host:port or unix:/socket/path, "
+        "started with VLLM_SERVER_DEV_MODE=1 on this model); '' = grpod starts and stops its "
+        "own, on a Unix socket in a 0700 directory",
+    )
+    vllm_server_api_key_env: str = Field(
+        "",
+        pattern=r"^(|[A-Za-z_][A-Za-z0-9_]*)$",
+        description="vllm-server with vllm_server_url: the environment variable holding the "
+        "server's credential, sent as a bearer token with every request (never the key here)",
     )
     vllm_server_host: str = Field(
-        "127.0.0.1", description="vllm-server: the address grpod's own binds"
+        "127.0.0.1",
+        description="no longer used (grpod's own server listens on a Unix socket): only the "
+        "default is accepted",
     )
     vllm_server_port: int = Field(
-        0, ge=0, le=65535, description="vllm-server: its port; 0 = a free one"
+        0, ge=0, le=65535, description="no longer used (see vllm_server_host): only 0"
     )
     vllm_server_python: str = Field(
         "", description="vllm-server: the interpreter that runs grpod's server; '' = grpod's own"
@@ -318,9 +327,25 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"lora: the {self.rollout_backend} rollout backend does not take adapters yet"
             )
-        server_fields = ("vllm_server_url", "vllm_server_python", "vllm_server_sync_dir")
+        server_fields = (
+            "vllm_server_url",
+            "vllm_server_python",
+            "vllm_server_sync_dir",
+            "vllm_server_api_key_env",
+        )
         if self.rollout_backend != "vllm-server" and any(getattr(self, f) for f in server_fields):
             raise ValueError("vllm_server_*: need rollout_backend = 'vllm-server'")
+        if self.vllm_server_host != "127.0.0.1" or self.vllm_server_port:
+            raise ValueError(
+                "vllm_server_host, vllm_server_port: grpod's own server listens on a Unix "
+                "socket that only this user can reach (docs/SECURITY.md); a TCP server is one "
+                "you start, named by vllm_server_url"
+            )
+        if self.vllm_server_api_key_env and not self.vllm_server_url:
+            raise ValueError(
+                "vllm_server_api_key_env: for a server named by vllm_server_url (grpod's own "
+                "is reached on its private Unix socket)"
+            )
         if "" in self.stop:
             raise ValueError("stop strings must not be empty")
         self._check_staleness()

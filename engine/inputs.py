@@ -57,6 +57,14 @@ def use_reward_path(config: EngineConfig) -> None:
         sys.path.insert(0, config.reward_path)
 
 
+def without_reward_code(config: EngineConfig) -> EngineConfig:
+    """`config` for a reader of a recorded run (replay): no reward module named in it is
+    imported, and its `reward_path` is not put on sys.path. A run dir may be someone else's,
+    and replay re-runs recorded batches, whose rewards are in them (docs/SECURITY.md)."""
+    update = {"reward": "", "rewards": [], "reward_weights": [], "reward_path": ""}
+    return config.model_copy(update=update)
+
+
 def input_digests(config: EngineConfig) -> dict[str, str]:
     """{absolute file: sha256} of the task files and the model directory's small files."""
     files = []

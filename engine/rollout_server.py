@@ -5,6 +5,12 @@ that grpod starts and supervises (`engine/vllm_server.py`: its own process group
 forwarded line by line to the `vllm.server` logger, stopped with the engine; on Linux it also
 dies with the process that started it), or an existing one named by `vllm_server_url`.
 
+- **Who can reach it**: grpod's own server listens on a Unix socket (`--uds`) in a 0700
+  temporary directory, and the snapshots go to a 0700 temporary directory: no other user
+  can drive its control routes (`/collective_rpc`, `/reset_prefix_cache`), sample from the
+  policy, or put weights in its way (docs/SECURITY.md). A server named by `vllm_server_url`
+  is the user's to protect; `vllm_server_api_key_env` names the variable holding its
+  credential, sent as a bearer token with every request.
 - **Weights** travel through the filesystem, as prime-rl's do: every push writes the
   trainer's tensors into one safetensors snapshot (a temporary directory, fsynced, renamed
   into place: never half-written under its name) in the sync directory, asks the server's
@@ -27,6 +33,7 @@ dies with the process that started it), or an existing one named by `vllm_server
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -42,9 +49,9 @@ from grpod.engine.rollout_vllm import CPU_KV_CACHE_BYTES, ServedModel, to_rollou
 from grpod.engine.torch_sampler import Rollout
 from grpod.engine.vllm_server import (
     EXIT_GRACE_SECONDS,
+    UNIX_PREFIX,
     ServerClient,
     ServerProcess,
-    free_port,
     server_env,
     short_json,
 )
@@ -54,6 +61,7 @@ from grpod.fileio import atomic_dir
 SERVED_NAME = "grpod-policy"  # the model's name in requests (its path changes with every push)
 MAX_REQUESTS_IN_FLIGHT = 64
 SNAPSHOT = "model.safetensors"
+SOCKET = "vllm.sock"
 
 
 class ServerSampler:
@@ -84,12 +92,17 @@ class ServerSampler:
         self._pushes = 0
         self._pool = ThreadPoolExecutor(MAX_REQUESTS_IN_FLIGHT, thread_name_prefix="vllm-request")
         url = peer_of or config.vllm_server_url
+        self._socket_dir: Path | None = None  # grpod's own server's socket, 0700
         if not url:
-            host = config.vllm_server_host
-            port = config.vllm_server_port or free_port(host)
-            url = f"http://{host}:{port}"
-        self.client = ServerClient(url, config.vllm_server_timeout_seconds)
+            self._socket_dir = Path(tempfile.mkdtemp(prefix="grpod-vllm-"))
+            url = f"{UNIX_PREFIX}{self._socket_dir / SOCKET}"
         try:
+            key = os.environ.get(config.vllm_server_api_key_env, "")
+            if config.vllm_server_api_key_env and not key:
+                raise EngineError(
+                    f"engine.vllm_server_api_key_env: ${config.vllm_server_api_key_env} is not set"
+                )
+            self.client = ServerClient(url, config.vllm_server_timeout_seconds, api_key=key)
             if peer_of is not None or config.vllm_server_url:
                 self.client.get("/health")
             else:
@@ -178,6 +191,8 @@ class ServerSampler:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.process is not None:
             self.process.stop()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
         if self._own_sync_dir:
             shutil.rmtree(self.sync_dir, ignore_errors=True)
         elif self._snapshot is not None:
@@ -234,8 +249,8 @@ class ServerSampler:
 
 
 def server_argv(config: EngineConfig, served: ServedModel, url: str) -> list[str]:
-    """The command line of the server grpod starts for `config`."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
+    """The command line of the server grpod starts for `config`, listening on the Unix socket
+    of `url` (`unix:/path`)."""
     argv = [
         config.vllm_server_python or sys.executable,
         "-m",
@@ -244,10 +259,8 @@ def server_argv(config: EngineConfig, served: ServedModel, url: str) -> list[str
         str(served.path),
         "--served-model-name",
         SERVED_NAME,
-        "--host",
-        host,
-        "--port",
-        port,
+        "--uds",
+        url.removeprefix(UNIX_PREFIX),
         "--skip-tokenizer-init",  # requests carry token ids: the trainer's tokenizer is the one
         "--dtype",
         "bfloat16" if config.dtype == "bfloat16" else "float32",

@@ -3,7 +3,8 @@ samples through them).
 
 `ServerProcess` starts the server in its own process group (a stop reaches its engine core and
 workers), forwards its output line by line to a logger, and on Linux has it SIGTERMed when the
-process that started it dies. `ServerClient` sends JSON over HTTP with one timeout per request;
+process that started it dies. `ServerClient` sends JSON over HTTP (TCP, or a Unix socket:
+`unix:/path`, how grpod's own server listens) with one timeout per request;
 every failure (an HTTP error, no answer in time, a refused or dropped connection, an answer that
 is not JSON) is one `SamplerError` line naming the server, the route and what went wrong.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import http.client
 import json
 import logging
 import os
@@ -39,12 +42,24 @@ _EXCEPTION = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:[\w.]+\.)?\w*(?:Error|Excepti
 _PR_SET_PDEATHSIG = 1
 
 
-class ServerClient:
-    """JSON over HTTP to one vLLM server; every failure is one `SamplerError` line."""
+UNIX_PREFIX = "unix:"  # a server URL that is a Unix socket's path: unix:/run/x/vllm.sock
 
-    def __init__(self, url: str, timeout_seconds: float) -> None:
+
+class ServerClient:
+    """JSON over HTTP to one vLLM server (`http://host:port`, or `unix:/path` for a Unix
+    socket); every failure is one `SamplerError` line. `api_key`: sent as a bearer token with
+    every request (a user's own server's credential; never in a message)."""
+
+    def __init__(self, url: str, timeout_seconds: float, api_key: str = "") -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout_seconds
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._base, self._open = self.url, urllib.request.urlopen
+        if self.url.startswith(UNIX_PREFIX):
+            opener = urllib.request.build_opener(
+                urllib.request.ProxyHandler({}), _UnixSocketHandler(self.url[len(UNIX_PREFIX) :])
+            )
+            self._base, self._open = "http://localhost", opener.open
         # the explanation of a failure that the caller knows more about (the process exited)
         self.explain: Callable[[], str] = lambda: ""
 
@@ -52,19 +67,20 @@ class ServerClient:
         """POST `body` as JSON to `route`; the decoded answer (None when it has no body)."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
-            self.url + route,
+            self._base + route,
             data=data if data is not None else b"",
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **self._headers},
             method="POST",
         )
         return self._send(route, request)
 
     def get(self, route: str, *, timeout: float | None = None) -> Any:
-        return self._send(route, urllib.request.Request(self.url + route), timeout)
+        request = urllib.request.Request(self._base + route, headers=self._headers)
+        return self._send(route, request, timeout)
 
     def _send(self, route: str, request: urllib.request.Request, timeout: float | None = None):
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as answer:
+            with self._open(request, timeout=timeout or self.timeout) as answer:
                 raw = answer.read()
         except urllib.error.HTTPError as exc:
             raise self.error(route, f"answered HTTP {exc.code}: {_error_text(exc)}") from None
@@ -86,6 +102,33 @@ class ServerClient:
     def error(self, route: str, what: str) -> SamplerError:
         extra = self.explain()
         return SamplerError(f"rollout server {self.url}: {route}: {what}{extra}")
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over the Unix socket at `socket_path` (the request's host is only its header)."""
+
+    def __init__(self, socket_path: str, host: str, **kwargs: Any) -> None:
+        super().__init__(host, **kwargs)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class _UnixSocketHandler(urllib.request.HTTPHandler):
+    def __init__(self, socket_path: str) -> None:
+        super().__init__()
+        self.socket_path = socket_path
+
+    def http_open(self, req: urllib.request.Request) -> Any:
+        return self.do_open(functools.partial(_UnixConnection, self.socket_path), req)
 
 
 class ServerProcess:

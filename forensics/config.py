@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from grpod.engine.verdict import ACTION_NAMES, ActionName
 from grpod.forensics.errors import ForensicsError
@@ -17,7 +17,10 @@ class ForensicsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     store_url: str = Field(
-        "", description="SQLAlchemy URL; '' = SQLite file <run_dir>/grpod.sqlite"
+        "",
+        description="SQLAlchemy URL; '' = SQLite file <run_dir>/grpod.sqlite. No password in "
+        "it (refused: the config is copied into the run dir): PostgreSQL's driver reads "
+        "PGPASSWORD, PGPASSFILE or ~/.pgpass",
     )
     incident_action: ActionName = Field(
         "WARN",
@@ -62,6 +65,30 @@ class ForensicsConfig(BaseModel):
         "prune nothing while running",
     )
     busy_timeout_ms: int = Field(10_000, ge=0, description="SQLite busy_timeout")
+
+    @field_validator("store_url")
+    @classmethod
+    def _no_password(cls, url: str) -> str:
+        if has_password(url):
+            raise ValueError(PASSWORD_REFUSED)
+        return url
+
+
+PASSWORD_REFUSED = (
+    "has a password in it (refused: the config is copied into the run dir and URLs get "
+    "printed); give it through PGPASSWORD, PGPASSFILE or ~/.pgpass (docs/SECURITY.md)"
+)
+
+
+def has_password(url: str) -> bool:
+    """Whether the SQLAlchemy URL `url` carries a password (an unparsable one: no)."""
+    from sqlalchemy import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return bool(url) and make_url(url).password is not None
+    except (ArgumentError, ValueError):
+        return False
 
 
 def run_dir_config(run_dir: str | os.PathLike) -> ForensicsConfig:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
@@ -35,6 +37,7 @@ class FsckReport:
     resume: str = ""  # that, in words ("" without checkpoints)
     problems: list[str] = field(default_factory=list)  # each one line; empty = healthy
     notes: list[str] = field(default_factory=list)  # harmless leftovers gc will remove
+    warnings: list[str] = field(default_factory=list)  # e.g. a run dir others can read
 
     @property
     def ok(self) -> bool:
@@ -44,12 +47,28 @@ class FsckReport:
         return {**asdict(self), "ok": self.ok}
 
 
+def exposure(run_dir: Path) -> list[str]:
+    """A warning for the run dir, and each file at its top, that users other than its owner
+    and group can read or write (docs/SECURITY.md: grpod creates them 0750 / 0640)."""
+    found = []
+    for path in [run_dir, *sorted(run_dir.iterdir())]:
+        mode = path.lstat().st_mode
+        can = [w for bit, w in ((stat.S_IROTH, "read"), (stat.S_IWOTH, "write")) if mode & bit]
+        if can and not stat.S_ISLNK(mode):
+            what = "run dir" if path == run_dir else "file"
+            found.append(
+                f"{what} {path}: mode {stat.S_IMODE(mode):04o}: other users can "
+                f"{' and '.join(can)} it (chmod -R o-rwx {run_dir})"
+            )
+    return found
+
+
 def fsck(run_dir: str | os.PathLike, store_url: str = "") -> FsckReport:
     """Check every blob (its file or inline bytes: there, size, digest), every distributed
     step's rank rows (forensics/ranks.py) and every incident's pins."""
     store = Store(run_dir, store_url, create=False)
     blobs = BlobStore(store.run_dir)
-    report = FsckReport()
+    report = FsckReport(warnings=exposure(store.run_dir))
     try:
         report.problems += store.integrity_problems()  # the database's own pages first
         if report.problems:

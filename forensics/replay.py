@@ -42,6 +42,7 @@ from grpod.engine import (
     TransportBatch,
     distcp,
 )
+from grpod.engine.inputs import without_reward_code
 from grpod.engine.step import decide_step
 from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.forensics.blobs import BlobStore
@@ -287,7 +288,7 @@ def _restore(store: Store, config: dict[str, Any], checkpoint: Checkpoint) -> En
         raise ForensicsError(f"run config: no valid [engine] section ({first})") from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a drill run's fault-injection warning
-        engine = Engine(engine_config)
+        engine = Engine(without_reward_code(engine_config))  # the run dir's code: never run
     path = store.checkpoint_path(checkpoint)
     try:
         # decisions come from the record, not guards; a DCP checkpoint loads unsharded too

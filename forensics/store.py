@@ -20,7 +20,7 @@ from sqlalchemy import Engine, create_engine, event, func, inspect, make_url, se
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from grpod.forensics.config import run_dir_config
+from grpod.forensics.config import PASSWORD_REFUSED, has_password, run_dir_config
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Checkpoint, Eval, Incident, Run, Step, StepRank
 from grpod.forensics.ranks import RankRecord, rank_records
@@ -102,6 +102,8 @@ class Store:
         self.is_sqlite = self.url.startswith("sqlite")
         self.shared = bool(store_url or not self.url.endswith(f"/{SQLITE_NAME}"))
         self.label = _without_password(self.url)  # for messages
+        if has_password(self.url):  # a --store-url (a config's is refused when loaded)
+            raise ForensicsError(f"store {self.label}: {PASSWORD_REFUSED}")
         if self.is_sqlite and not create:
             path = Path(self.url.split("///", 1)[-1])
             if not path.is_file():

@@ -4,6 +4,9 @@ A reader (or a process started after a crash) sees the old content or the new, n
 it. The temporary name is `.<name>.tmp-<pid>`: hidden, and attributable to the process that
 left it. `fsync` is the piece, for writers that batch it (the blob store publishes a group of
 staged files with one directory fsync).
+
+`private_umask` is where the modes of everything grpod writes come from: at most
+group-readable (0750 / 0640), whatever the shell's umask (docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -13,6 +16,16 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+PRIVATE_UMASK = 0o027  # no write for the group, nothing for others
+
+
+def private_umask() -> int:
+    """Add `PRIVATE_UMASK` to this process's umask (a stricter one is kept); the new umask.
+    Files and directories this process and its children create are at most 0640 / 0750."""
+    umask = os.umask(PRIVATE_UMASK) | PRIVATE_UMASK
+    os.umask(umask)
+    return umask
 
 
 def temp_path(path: str | os.PathLike) -> Path:

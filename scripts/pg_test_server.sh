@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A throwaway PostgreSQL server for the store tests (Debian's postgresql package).
 #   pg_test_server.sh start DATADIR PORT   install if needed, initdb, start on 127.0.0.1:PORT
-#                                          (trust auth), create role and database `grpod`
+#                                          (trust auth), create role and database `grpod`, and
+#                                          role and database `grpod_pw` that must give its
+#                                          password (scram-sha-256; the secrets tests)
 #   pg_test_server.sh stop DATADIR PORT    stop it and remove the data directory
 # Idempotent: an initialised DATADIR is reused, a running server is left running.
 # As root the server runs as the `postgres` user (PostgreSQL refuses to run as root), so
@@ -16,6 +18,7 @@ die() {
 
 [[ $# -eq 3 ]] || die "usage: $0 start|stop DATADIR PORT"
 action="$1"
+PG_TEST_PASSWORD="grpod-test-secret-5f1c"  # tests/daemon/test_secrets.py greps for it
 port="$3"
 [[ "$port" =~ ^[0-9]+$ ]] || die "PORT must be a number, got '$port'"
 mkdir -p "$(dirname "$2")"
@@ -86,6 +89,20 @@ start)
     fi
     if [[ "$(psql_admin -tAc "SELECT 1 FROM pg_database WHERE datname = 'grpod'")" != "1" ]]; then
         psql_admin -c "CREATE DATABASE grpod OWNER grpod"
+    fi
+    # a role that connects with a password only (tests/daemon/test_secrets.py): the rule is
+    # pg_hba.conf's first, before the trust lines
+    if ! grep -q "grpod_pw" "$datadir/pg_hba.conf"; then
+        as_owner sh -c "printf 'host all grpod_pw 127.0.0.1/32 scram-sha-256\n' | \
+            cat - '$datadir/pg_hba.conf' >'$datadir/pg_hba.new' && \
+            mv '$datadir/pg_hba.new' '$datadir/pg_hba.conf'"
+        as_owner "$bindir/pg_ctl" -D "$datadir" reload >/dev/null
+    fi
+    if [[ "$(psql_admin -tAc "SELECT 1 FROM pg_roles WHERE rolname = 'grpod_pw'")" != "1" ]]; then
+        psql_admin -c "CREATE ROLE grpod_pw LOGIN PASSWORD '$PG_TEST_PASSWORD'"
+    fi
+    if [[ "$(psql_admin -tAc "SELECT 1 FROM pg_database WHERE datname = 'grpod_pw'")" != "1" ]]; then
+        psql_admin -c "CREATE DATABASE grpod_pw OWNER grpod_pw"
     fi
     echo "pg_test_server: postgresql+psycopg://grpod@127.0.0.1:$port/grpod ($datadir)"
     ;;

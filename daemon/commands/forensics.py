@@ -268,6 +268,8 @@ def _fsck(args: argparse.Namespace) -> int:
             print(f"problem: {line}")
         for line in report.notes:
             print(f"note: {line}")
+        for line in report.warnings:
+            print(f"warning: {line}")
         if report.resume and report.resume_step is not None:
             print(report.resume)
         state = "ok" if report.ok else f"{len(report.problems)} problems"

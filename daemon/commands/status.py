@@ -70,7 +70,7 @@ def store_summary(
     finally:
         store.close()
     return {
-        "store": store.url,
+        "store": store.label,  # never the password
         "outcomes": summary.outcomes,
         "reruns": summary.reruns,
         "last_step": summary.last_step,

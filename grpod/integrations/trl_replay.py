@@ -1,13 +1,19 @@
 """Replay of a recorded TRL step through TRL's own loss (`grpod replay` on a TRL run).
 
 From the TRL checkpoint at or before the step (`checkpoint-N/`: weights, `optimizer.pt`,
-`scheduler.pt`, `training_args.bin`), a plain `trl.GRPOTrainer` is rebuilt whose
+`scheduler.pt`) and the GRPOConfig recorded as JSON with the run (`trl.args` of the run's
+config in the store, written when the run started), a plain `trl.GRPOTrainer` is rebuilt whose
 `_prepare_inputs` hands back each recorded micro-batch (`trl_batch.micro_inputs`); every
 recorded step from the checkpoint on runs TRL's `training_step` per micro, the Trainer's
 clip and grad norm, and then the optimizer and schedule step when the step was applied (a
 flushed step only discards its gradients), as the Trainer's loop does. The target step's
 loss, grad norm, valid tokens (TRL's recorded num_items_in_batch, the divisor it used) and
 the mask's sum are compared with the record, bit for bit. Nothing is written.
+
+A run dir is data, possibly someone else's: nothing in it is unpickled. TRL's
+`training_args.bin` is a pickle and is never read (a run dir without the recorded GRPOConfig
+is refused); the optimizer and schedule states are loaded by transformers with
+`weights_only=True`.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ def replay(
     store = Store(run_dir, store_url, create=False)
     try:
         store.check_schema()
-        _config, _versions, checkpoint, plan = _plan(store, step, incident_id)
+        config, _versions, checkpoint, plan = _plan(store, step, incident_id)
         path = store.checkpoint_path(checkpoint)
     finally:
         store.close()
@@ -57,8 +63,9 @@ def replay(
             f"step {plan[-1].report.step}: recorded under several processes; replay of a "
             "distributed TRL step is not supported"
         )
+    recorded_args = _recorded_args(config, run_dir)
     with tempfile.TemporaryDirectory() as scratch:
-        trainer = _restore(Path(path), scratch)
+        trainer = _restore(Path(path), recorded_args, scratch)
         diverged_at = diverged_field = None
         replayed: dict[str, Any] = {}
         for item in plan:
@@ -101,7 +108,45 @@ def _recorded(report: Any) -> dict[str, Any]:
     }
 
 
-def _restore(checkpoint: Path, scratch: str) -> Any:
+def _recorded_args(config: dict[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The GRPOConfig the run recorded (`GRPOConfig.to_dict()`, grpod.integrations.trl)."""
+    trl = config.get("trl")
+    args = trl.get("args") if isinstance(trl, dict) else None
+    if not isinstance(args, dict) or not args:
+        raise ForensicsError(
+            f"run dir {run_dir}: no recorded GRPOConfig (trl.args in the run's config); "
+            "replay never unpickles training_args.bin"
+        )
+    return args
+
+
+def grpo_config(recorded: dict[str, Any], **override: Any) -> Any:
+    """A `GRPOConfig` rebuilt from its recorded `to_dict()` JSON and `override`. Fields that
+    `__post_init__` derives from others are recomputed (passed back, TRL refuses both
+    `generation_batch_size` and `steps_per_generation`); masked tokens stay unset."""
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    init = {f.name for f in fields(GRPOConfig) if f.init}
+    values = {
+        k: v
+        for k, v in recorded.items()
+        if k in init and not (k.endswith("_token") and v == f"<{k.upper()}>")
+    }
+    if values.get("steps_per_generation") is not None:
+        values.pop("generation_batch_size", None)
+    values.update(override)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return GRPOConfig(**values)
+    except (TypeError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ForensicsError(f"the recorded GRPOConfig does not rebuild: {first}") from None
+
+
+def _restore(checkpoint: Path, recorded_args: dict[str, Any], scratch: str) -> Any:
     """A `GRPOTrainer` in the checkpoint's state, whose micro-batches come from the record."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -111,10 +156,7 @@ def _restore(checkpoint: Path, scratch: str) -> Any:
         def _prepare_inputs(self, generation_batch: Any) -> Any:
             return generation_batch  # a recorded micro, as `_compute_loss` took it
 
-    if not (checkpoint / "training_args.bin").is_file():
-        raise ForensicsError(f"checkpoint {checkpoint}: no training_args.bin (not TRL's)")
-    args = torch.load(checkpoint / "training_args.bin", weights_only=False)
-    args.output_dir, args.report_to = scratch, []
+    args = grpo_config(recorded_args, output_dir=scratch, report_to=[])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)

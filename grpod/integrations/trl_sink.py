@@ -25,6 +25,7 @@ from grpod.daemon.metrics import Metrics, RankMetrics
 from grpod.daemon.rundir import RunDir, new_run_id
 from grpod.engine.step import StepResult
 from grpod.engine.verdict import Action
+from grpod.fileio import private_umask
 from grpod.forensics.config import ForensicsConfig
 from grpod.forensics.recorder import FlightRecorder
 from grpod.guards.config import GuardsConfig
@@ -72,7 +73,10 @@ class RunSink:
         return f"http://{host}:{port}/metrics"
 
     def start(self, tokenizer: Any, trl_config: dict[str, Any], versions: dict[str, str]) -> None:
-        """Rank 0: create (or resume) the run directory, register the run, serve metrics."""
+        """Rank 0: create (or resume) the run directory, register the run, serve metrics.
+        Every rank: this process's umask at least 027 (`private_umask`), for TRL's
+        checkpoints in the run directory too."""
+        private_umask()
         if self.rank != 0:
             return
         config = GrpodConfig.model_validate(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from grpod.fileio import atomic_dir, atomic_file, write_atomic
+from grpod.fileio import atomic_dir, atomic_file, private_umask, write_atomic
 
 
 def test_a_failed_file_write_keeps_the_old_content(tmp_path: Path) -> None:
@@ -35,3 +36,15 @@ def test_a_directory_appears_complete_or_not_at_all(tmp_path: Path) -> None:
         (tmp / "model.safetensors").write_bytes(b"three")
     assert (final / "model.safetensors").read_bytes() == b"three"
     assert [p.name for p in tmp_path.iterdir()] == [final.name]
+
+
+def test_private_umask_adds_027_and_keeps_a_stricter_one() -> None:
+    before = os.umask(0)
+    try:
+        assert private_umask() == 0o027
+        os.umask(0o077)
+        assert private_umask() == 0o077
+        os.umask(0o002)
+        assert private_umask() == 0o027
+    finally:
+        os.umask(before)

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import socketserver
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -65,10 +66,11 @@ class StandIn:
     """A threaded HTTP server on 127.0.0.1 whose answers `answer(route, body)` decides;
     None: never answer (until the test ends), "drop": close the connection unanswered."""
 
-    def __init__(self, answer: Answer) -> None:
+    def __init__(self, answer: Answer, socket_path: str = "", api_key: str = "") -> None:
         self.answer = answer
         self.release = threading.Event()
         self.routes: list[str] = []
+        self.refused: list[str] = []  # routes asked without the credential (401)
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -79,8 +81,12 @@ class StandIn:
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length) if length else b""
                 body = json.loads(raw) if raw.strip() else {}
-                stand_in.routes.append(self.path)
-                reply = stand_in.answer(self.path, body)
+                if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
+                    stand_in.refused.append(self.path)
+                    reply: Any = (401, b'{"error": {"message": "Unauthorized"}}')
+                else:
+                    stand_in.routes.append(self.path)
+                    reply = stand_in.answer(self.path, body)
                 if reply is None:
                     stand_in.release.wait(60)
                     return
@@ -96,9 +102,16 @@ class StandIn:
 
             do_GET = do_POST = _serve
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            def address_string(self) -> str:
+                return "unix" if socket_path else super().address_string()
+
+        if socket_path:
+            self.server: Any = _UnixHTTPServer(socket_path, Handler)
+            self.url = f"unix:{socket_path}"
+        else:
+            self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
@@ -107,12 +120,18 @@ class StandIn:
         self.server.server_close()
 
 
+class _UnixHTTPServer(socketserver.ThreadingUnixStreamServer):
+    def get_request(self) -> tuple[Any, tuple[str, int]]:
+        request, _ = super().get_request()
+        return request, ("unix", 0)  # BaseHTTPRequestHandler reads a host and a port
+
+
 @pytest.fixture
 def stand_in() -> Iterator[Callable[[Answer], StandIn]]:
     made: list[StandIn] = []
 
-    def make(answer: Answer) -> StandIn:
-        made.append(StandIn(answer))
+    def make(answer: Answer, **where: str) -> StandIn:
+        made.append(StandIn(answer, **where))
         return made[-1]
 
     yield make
@@ -296,12 +315,60 @@ def test_a_server_that_dies_while_starting_is_named_by_its_exception_not_its_shu
     server.stop()
 
 
+def test_a_server_on_a_unix_socket_with_a_credential_takes_every_request_with_it(
+    stand_in, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`vllm_server_url = "unix:/path"`, its key from `vllm_server_api_key_env`: every route
+    grpod calls carries the bearer token; a request without it is refused."""
+    server = stand_in(healthy, socket_path=str(tmp_path / "v.sock"), api_key="k-7f3e")
+    monkeypatch.setenv("GRPOD_TEST_VLLM_KEY", "k-7f3e")
+    engine = Engine(
+        server_config(server.url, tmp_path, vllm_server_api_key_env="GRPOD_TEST_VLLM_KEY")
+    )
+    engine.start_sampler()
+    try:
+        engine.vllm.push(engine.rollout_model)
+        out, _ = sample(engine.vllm, probe=[1, 2, 3, 4])
+    finally:
+        engine.vllm.close()
+    assert out.completion_ids.tolist() == [[5, 5, 5, 5]] * 2
+    assert (
+        set(server.routes)
+        == {"/health", "/collective_rpc", "/reset_prefix_cache", "/v1/completions"}
+        and not server.refused
+    )
+    for route in ("/collective_rpc", "/reset_prefix_cache", "/v1/completions"):
+        with pytest.raises(
+            SamplerError, match=f"unix:{tmp_path}/v.sock: {route}: answered HTTP 401"
+        ):
+            ServerClient(server.url, 5).post(route, {})
+    assert server.refused == ["/collective_rpc", "/reset_prefix_cache", "/v1/completions"]
+    monkeypatch.delenv("GRPOD_TEST_VLLM_KEY")
+    unset = Engine(
+        server_config(server.url, tmp_path, vllm_server_api_key_env="GRPOD_TEST_VLLM_KEY")
+    )
+    with pytest.raises(
+        EngineError, match=r"vllm_server_api_key_env: \$GRPOD_TEST_VLLM_KEY is not set"
+    ):
+        unset.start_sampler()
+
+
+def test_no_server_at_the_socket_fails_at_start(tmp_path: Path) -> None:
+    engine = Engine(server_config(f"unix:{tmp_path}/none.sock", tmp_path))
+    with pytest.raises(SamplerError, match=r"none.sock: /health: no such file or directory"):
+        engine.start_sampler()
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         ({"vllm_server_url": "localhost:8000"}, "vllm_server_url"),
         ({"rollout_backend": "vllm", "vllm_server_url": "http://h:1"}, "need rollout_backend"),
         ({"lora": {"rank": 4}}, "vllm-server rollout backend does not take adapters"),
+        ({"vllm_server_port": 8000}, "grpod's own server listens on a Unix socket"),
+        ({"vllm_server_host": "0.0.0.0"}, "grpod's own server listens on a Unix socket"),
+        ({"vllm_server_api_key_env": "KEY"}, "for a server named by vllm_server_url"),
+        ({"vllm_server_url": "http://h:1", "vllm_server_api_key_env": "A-B"}, "api_key_env"),
     ],
 )
 def test_server_settings_are_checked_in_the_config(overrides: dict, message: str) -> None:

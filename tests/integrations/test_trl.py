@@ -166,3 +166,71 @@ def test_collapsing_campaign_warns_then_halts_with_a_trl_checkpoint(tmp_path: Pa
     assert len(episodes) == len(set(episodes))  # one incident per episode
     status = json.loads(_cli("status", "--run-dir", str(tmp_path / "run"), "--json").stdout)
     assert status["state"] == "halted" and status["outcomes"] == {"applied": 3, "flushed": 1}
+
+
+class _Payload:
+    """A pickle that, unpickled, writes `marker`: what a hostile training_args.bin could do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.write_text, (self.marker, "unpickled"))
+
+
+def test_replay_never_unpickles_the_run_dir(campaign: dict[str, Any], tmp_path: Path) -> None:
+    """docs/SECURITY.md: a hostile training_args.bin in every checkpoint is never loaded (the
+    GRPOConfig comes from the JSON recorded with the run); without that record, one line."""
+    import pickle
+    import shutil
+    import sqlite3
+
+    live = tmp_path / "live"
+    pickle.loads(pickle.dumps(_Payload(live)))
+    assert live.read_text() == "unpickled"  # the payload works: unpickling it would show
+    marker = tmp_path / "marker"
+    checkpoints = sorted(campaign["root"].glob("out/checkpoint-*"))
+    assert checkpoints
+    for checkpoint in checkpoints:
+        (checkpoint / "training_args.bin").write_bytes(pickle.dumps(_Payload(marker)))
+    run = str(campaign["run"])
+    nan = _cli("replay", "--run-dir", run, "--step", str(NAN_STEP), "--json")
+    assert nan.returncode == 0 and json.loads(nan.stdout)["reproduced"], nan.stderr
+    assert not marker.exists()
+
+    bare = tmp_path / "run"
+    shutil.copytree(campaign["run"], bare)
+    with sqlite3.connect(bare / "grpod.sqlite") as db:
+        rows = db.execute("SELECT id, config_json FROM runs").fetchall()
+        for run_id, text in rows:
+            config = json.loads(text)
+            del config["trl"]["args"]
+            db.execute("UPDATE runs SET config_json = ? WHERE id = ?", (json.dumps(config), run_id))
+    refused = _cli("replay", "--run-dir", str(bare), "--step", str(NAN_STEP))
+    assert refused.returncode == 2 and refused.stdout == "", refused
+    assert refused.stderr.count("\n") == 1 and "no recorded GRPOConfig" in refused.stderr
+    assert not marker.exists()
+
+
+def test_the_recorded_grpo_config_rebuilds_the_same_config() -> None:
+    from trl import GRPOConfig
+
+    from grpod.integrations.trl import trl_config
+    from grpod.integrations.trl_replay import grpo_config
+
+    args = GRPOConfig(
+        output_dir="out",
+        max_steps=5,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        learning_rate=1e-3,
+        use_cpu=True,
+        report_to="none",
+        hub_token="not-recorded",
+    )
+    recorded = json.loads(json.dumps(trl_config(args)))["args"]
+    assert recorded["hub_token"] == "<HUB_TOKEN>"  # TrainingArguments masks its tokens
+    rebuilt = grpo_config(recorded)
+    assert rebuilt.hub_token is None
+    assert {k: v for k, v in rebuilt.to_dict().items()} == args.to_dict()

@@ -59,7 +59,7 @@ def campaign(work: Path, drill: int = DRILL) -> None:
 
 def server_pid(run: Grpod) -> int:
     event = run.event("rollout server")
-    assert event["started"] is True and event["url"].startswith("http://127.0.0.1:"), event
+    assert event["started"] is True and event["url"].startswith("unix:/"), event
     return int(event["pid"])
 
 
@@ -95,7 +95,7 @@ def test_a_server_campaign_survives_a_killed_server_sigterm_and_replays(tmp_path
     assert all(steps[s]["staleness"] <= 1 for s in trained), steps
     assert [steps[s]["staleness"] for s in (0, 1)] == [0, 1]  # both launched at version 0
     lines = [line for line in first.stderr.splitlines() if line.startswith("grpod run:")]
-    assert len(lines) == 1 and f"step {failed_step}: rollout server http://127.0.0.1:" in lines[0]
+    assert len(lines) == 1 and f"step {failed_step}: rollout server unix:/" in lines[0]
     assert "(the server exited with status -9" in lines[0], lines
     assert first.event("stopping")["exit_code"] == 1
     assert not group_alive(killed[0]), "the killed server's engine or workers outlived it"
