@@ -58,6 +58,11 @@ REPORT_GAUGES = {
         "mismatch_frac_above_0_1",
         "Fraction of tokens with |sampler - trainer logprob| > 0.1 nats",
     ),
+    "step_rollout_staleness_steps": (
+        "staleness",
+        "Weight versions the step's rollout is behind the policy (0: on-policy; NaN: "
+        "max_staleness = 0). The sampler_mismatch gauges of a stale step measure policy drift",
+    ),
     "weight_version": (
         "weight_version",
         "The policy's weight version the step's rollout sampled with (its applied updates)",

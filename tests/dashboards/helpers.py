@@ -44,6 +44,7 @@ CONTRACT: dict[str, str] = {
     "grpod_weight_sync_max_abs_logprob_diff": "gauge",
     "grpod_weight_sync_seconds": "histogram",
     "grpod_rollout_staleness_steps": "histogram",
+    "grpod_step_rollout_staleness_steps": "gauge",
     "grpod_rollout_dropped_total": "counter",
     "grpod_rollout_overlap_seconds_total": "counter",
     "grpod_gradnorm_vtc_correlation": "gauge",
