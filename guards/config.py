@@ -118,8 +118,7 @@ class AdvantageConfig(_Section):
 
 
 class SamplerMismatchConfig(_Section):
-    """Sampler vs trainer logprobs of the same tokens: disagreement at the same weight
-    version, and policy drift (its own, looser bounds) when the rollout is stale."""
+    """Sampler vs trainer logprobs: disagreement on-policy, drift (looser) when stale."""
 
     p99_max_nats: float = Field(1.0, gt=0.0)
     fraction_above_0_1_max: float = Field(0.2, ge=0.0, le=1.0)
@@ -133,8 +132,7 @@ class SamplerMismatchConfig(_Section):
 
 
 class ClipConfig(_Section):
-    """Clipping that suppresses real updates: on most recent steps the clip coefficient is
-    small while the pre-clip grad norm is far above the run's own baseline."""
+    """Clipping that suppresses real updates: small coefficient, norm far above baseline."""
 
     window: int = Field(32, ge=1)
     clip_coef_min: float = Field(0.2, gt=0.0, le=1.0)
