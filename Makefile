@@ -44,7 +44,7 @@ $(VENV_VLLM)/.installed: pyproject.toml $(VLLM_CONSTRAINTS)
 # checked by digest on every call. `gguf` (the converter's reader) goes into the development
 # venv only: grpod itself never needs it.
 model-smollm2: venv
-	$(BIN)/python -c "import gguf" 2>/dev/null || $(BIN)/pip install -q 'gguf>=0.10'
+	$(BIN)/python -c "import gguf" 2>/dev/null || $(BIN)/pip install -q 'gguf==0.19.0'
 	HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 \
 		$(BIN)/python scripts/fetch_model.py
 
