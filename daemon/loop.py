@@ -656,9 +656,9 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def _device() -> str:
+def _device(device: Any = None) -> str:
+    """What a run records as its device (`device`: a torch.device; default CUDA 0 or CPU)."""
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return "cpu"
+    device = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
