@@ -35,11 +35,18 @@ def _config(work: Path, **engine: Any) -> Path:
     )
 
 
-def _refused(work: Path, needle: str) -> None:
-    """`grpod run` refuses in one line, exit 2, and leaves nothing but its config."""
+def _refused(work: Path, needle: str, *, imported_vllm: bool = False) -> None:
+    """`grpod run` refuses in one line, exit 2, and leaves nothing but its config.
+    `imported_vllm`: vLLM was imported in grpod's process, whose import prints warnings of
+    its own (torch's, a C++ NUMA note) before grpod's line, which is then the last."""
     done = cli("run", "--config", "grpod.toml", "--run-dir", "run", cwd=work)
     assert done.returncode == 2, done.stderr
-    (line,) = done.stderr.splitlines()
+    lines = done.stderr.splitlines()
+    if imported_vllm:
+        assert "Traceback" not in done.stderr, done.stderr
+        assert [x for x in lines if x.startswith("grpod")] == lines[-1:], done.stderr
+        lines = lines[-1:]
+    (line,) = lines
     assert line.startswith("grpod run: error: ") and needle in line, line
     assert sorted(p.name for p in work.iterdir()) == ["grpod.toml"]
 
@@ -99,4 +106,15 @@ def test_server_arguments_the_server_refuses_are_a_config_error(tmp_path: Path) 
         tmp_path,
         "vllm_server_args: the vLLM server refused its arguments: unrecognized arguments: "
         "--no-such-flag",
+    )
+
+
+def test_a_cache_vllm_cannot_allocate_is_refused_before_the_run_dir(tmp_path: Path) -> None:
+    """What only vLLM knows (here: more cache than the machine's memory) is found as it
+    starts, before the run dir: colocated vLLM starts with the engine, not at step 0."""
+    _config(tmp_path, vllm_kv_cache_bytes=1 << 50)
+    _refused(
+        tmp_path,
+        "rollout_backend vllm: cannot start vLLM: ValueError: Available memory",
+        imported_vllm=True,
     )
