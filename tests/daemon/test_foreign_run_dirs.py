@@ -23,6 +23,7 @@ READERS = (
     ("incidents", "show", "1"),
     ("replay", "--step", "1"),
     ("export", "exported"),
+    ("plot", "--out", "plots"),
 )
 
 
@@ -94,7 +95,7 @@ def test_every_reader_refuses_a_foreign_run_dir_in_one_line(
         assert line.startswith(f"grpod {reader[0]}: error: ") and reason in line, (reader, line)
         assert done.stdout == ""
     assert _digest(run_dir) == before
-    assert not (tmp_path / "exported").exists()
+    assert not (tmp_path / "exported").exists() and not (tmp_path / "plots").exists()
 
 
 def test_the_recorded_run_dir_itself_is_read(tmp_path: Path, recorded: Path) -> None:
