@@ -156,10 +156,15 @@ def existing_run_dir(path: str | os.PathLike, store_url: str = "") -> RunDir:
             f"{record_path}: no inputs digests: written by an older grpod, whose model and "
             "task files this one cannot check"
         )
+    from grpod.forensics.errors import ForensicsError
     from grpod.forensics.store import Store
 
     store = Store(run.path, store_url, create=False)  # ForensicsError: no store there
     try:
+        store.revision()
+    except ForensicsError:  # unreadable: each command names it (fsck: a problem, exit 1)
+        return run
+    else:
         store.check_schema()  # a newer grpod's (or an older, before `grpod db upgrade`)
     finally:
         store.close()
