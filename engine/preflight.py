@@ -27,7 +27,6 @@ from grpod.engine.errors import EngineError
 from grpod.engine.rewardcall import NonFinite
 from grpod.engine.tasks import Prompt, Task, config_task, load_reward
 from grpod.engine.tokenizer import CharTokenizer, encode_prompt, require_chat_template
-from grpod.engine.vllm_limits import check_vllm_limits
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -46,6 +45,8 @@ def preflight(config: EngineConfig, world: int | None = None, per_node: int | No
         positions = getattr(text_config, "max_position_embeddings", None)
     if config.rollout_backend in VLLM_BACKENDS:  # what vLLM would refuse once started
         import torch
+
+        from grpod.engine.vllm_limits import check_vllm_limits
 
         check_vllm_limits(config, text_config, "cuda" if torch.cuda.is_available() else "cpu")
     if positions is not None and config.seq_len > positions:
