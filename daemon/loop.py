@@ -160,7 +160,7 @@ class Daemon:
         self.notifier.extend_timeout(cfg.daemon.checkpoint_timeout_seconds)
         if cfg.engine.rollout_backend in VLLM_BACKENDS:  # vLLM's own log lines, as JSON events
             os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-            logs.forward_library_logs(self.log, "vllm", cfg.daemon.log_level)
+            logs.forward_library_logs(self.log, logs.VLLM_LOGGERS, cfg.daemon.log_level)
         self.engine = Engine(cfg.engine)  # before the run dir: a bad engine config creates nothing
         if cfg.engine.rollout_backend in VLLM_BACKENDS:  # before the run dir, as the engine
             self._start_sampler()

@@ -35,18 +35,17 @@ def _config(work: Path, **engine: Any) -> Path:
     )
 
 
-def _refused(work: Path, needle: str, *, imported_vllm: bool = False) -> None:
-    """`grpod run` refuses in one line, exit 2, and leaves nothing but its config.
-    `imported_vllm`: vLLM was imported in grpod's process, whose import prints warnings of
-    its own (torch's, a C++ NUMA note) before grpod's line, which is then the last."""
+def _not_cpp(stderr: str) -> list[str]:
+    """stderr's lines but vLLM's CPU build's C++ NUMA note (written by C++ code straight to
+    the descriptor, past Python's logging; its Python warnings go to the JSON log)."""
+    return [line for line in stderr.splitlines() if "utils.cpp" not in line]
+
+
+def _refused(work: Path, needle: str) -> None:
+    """`grpod run` refuses in one line, exit 2, and leaves nothing but its config."""
     done = cli("run", "--config", "grpod.toml", "--run-dir", "run", cwd=work)
     assert done.returncode == 2, done.stderr
-    lines = done.stderr.splitlines()
-    if imported_vllm:
-        assert "Traceback" not in done.stderr, done.stderr
-        assert [x for x in lines if x.startswith("grpod")] == lines[-1:], done.stderr
-        lines = lines[-1:]
-    (line,) = lines
+    (line,) = _not_cpp(done.stderr)
     assert line.startswith("grpod run: error: ") and needle in line, line
     assert sorted(p.name for p in work.iterdir()) == ["grpod.toml"]
 
@@ -77,13 +76,9 @@ def test_the_refused_bound_is_vllms_own(tmp_path: Path) -> None:
     at = tmp_path / "at"
     _config(at, vllm_kv_cache_bytes=TINY_KV_BYTES)
     ran = run_to_end(["--config", "grpod.toml", "--run-dir", "run", "--max-steps", "1"], at)
-    # no progress bars (the tiny model's export, vLLM's load); vLLM's and torch's own
-    # warnings at import are theirs, and still there
-    assert "shards" not in ran.stderr and "it/s" not in ran.stderr, ran.stderr
-    assert [line.split(":")[0] for line in ran.stderr.splitlines()[-2:]] == [
-        "store",
-        "replay a step",
-    ]
+    # grpod's lines only: no progress bars (the tiny model's export, vLLM's load), vLLM's
+    # and torch's warnings at import in the JSON log
+    assert [line.split(":")[0] for line in _not_cpp(ran.stderr)] == ["store", "replay a step"]
 
 
 def test_max_model_len_and_head_dim_are_refused_before_the_run_dir(tmp_path: Path) -> None:
@@ -113,8 +108,4 @@ def test_a_cache_vllm_cannot_allocate_is_refused_before_the_run_dir(tmp_path: Pa
     """What only vLLM knows (here: more cache than the machine's memory) is found as it
     starts, before the run dir: colocated vLLM starts with the engine, not at step 0."""
     _config(tmp_path, vllm_kv_cache_bytes=1 << 50)
-    _refused(
-        tmp_path,
-        "rollout_backend vllm: cannot start vLLM: ValueError: Available memory",
-        imported_vllm=True,
-    )
+    _refused(tmp_path, "rollout_backend vllm: cannot start vLLM: ValueError: Available memory")
