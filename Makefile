@@ -14,7 +14,8 @@ PROMTOOL := $(TOOLS)/promtool
 # Outside the clone: as root the server runs as `postgres`, which cannot enter a 0700 home
 # or mktemp -d; one data directory per port, removed by `make postgres-stop`.
 PGDATA ?= /tmp/grpod-pgtest-$(PGPORT)
-PGPORT ?= 55432
+# below Linux's ephemeral range (32768-60999), where no outgoing connection can take it
+PGPORT ?= 25432
 
 .PHONY: venv venv-vllm model-smollm2 demo test test-fast test-main test-vllm lint fmt promtool postgres postgres-stop clean
 

@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from grpod.daemon.exitcodes import (
     EXIT_BAD_INPUT,
@@ -20,10 +21,19 @@ from grpod.daemon.exitcodes import (
 from grpod.fileio import private_umask
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but an argument error is one line like every other refusal (exit 2), not
+    its usage block; subcommands' parsers are of this class too (add_subparsers' default)."""
+
+    def error(self, message: str) -> NoReturn:
+        message = " ".join(message.split())
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from grpod.daemon.commands import COMMAND_MODULES
 
-    parser = argparse.ArgumentParser(prog="grpod", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="grpod", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMAND_MODULES:
         module.register(sub)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import secrets
 import signal
@@ -236,8 +237,35 @@ def precheck(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
     preflight(plan.config.engine, world=world, per_node=per_node)
 
 
+# torch's agent logs its own W/E lines (the OMP_NUM_THREADS banner, "failed (exitcode: 3)",
+# the workers it stops) on the stderr that is grpod's one line per refusal or exit
+TORCH_ELASTIC_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic")
+
+
+class _NotTorchElastic(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.name.startswith(TORCH_ELASTIC_LOGGERS)
+
+
+def quiet_torch_elastic() -> None:
+    """Keep torch's elastic agent off stderr: grpod says what the job did (`job_status`).
+    Its modules set their loggers' levels as they are imported, so the records are dropped
+    where torch writes them: the handlers of their ancestors, up to one that does not
+    propagate (torch's logging gives `torch.distributed` its own)."""
+    import torch  # noqa: F401 (installs those handlers)
+
+    drop = _NotTorchElastic()
+    for name in TORCH_ELASTIC_LOGGERS:
+        logger: logging.Logger | None = logging.getLogger(name)
+        while logger is not None:
+            for handler in logger.handlers:
+                handler.addFilter(drop)
+            logger = logger.parent if logger.propagate else None
+
+
 def launch(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     """Run the job under torch's elastic agent; grpod's exit status for it."""
+    quiet_torch_elastic()
     try:
         config, entrypoint, entry_args = launch_config(args)
     except (ValueError, AssertionError, RuntimeError) as exc:  # torchrun's checks

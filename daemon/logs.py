@@ -59,16 +59,25 @@ def make_logger(
     )
 
 
+# vLLM's own logger, and what importing it warns of on stderr: Python warnings (its
+# deprecated torch calls) and torch's triton probe
+VLLM_LOGGERS = ("vllm", "py.warnings", "torch._library")
+
+
 def forward_library_logs(
-    log: structlog.typing.FilteringBoundLogger, name: str, level: str = "info"
+    log: structlog.typing.FilteringBoundLogger, names: tuple[str, ...], level: str = "info"
 ) -> None:
-    """Route the standard-library logger `name` (a library's, e.g. vLLM's) into `log`'s
+    """Route the standard-library loggers `names` (a library's, e.g. vLLM's) into `log`'s
     stream: one `library` event per record (its logger, level and message), so stdout stays
-    one JSON object per line. The library's INFO records are grpod's debug events."""
-    library = logging.getLogger(name)
-    library.handlers[:] = [_Forward(log)]
-    library.propagate = False
-    library.setLevel(logging.INFO if level == "debug" else logging.WARNING)
+    one JSON object per line and stderr grpod's. The library's INFO records are grpod's debug
+    events. `py.warnings` among them: Python warnings become its records."""
+    for name in names:
+        library = logging.getLogger(name)
+        library.handlers[:] = [_Forward(log)]
+        library.propagate = False
+        library.setLevel(logging.INFO if level == "debug" else logging.WARNING)
+    if "py.warnings" in names:
+        logging.captureWarnings(True)
 
 
 class _Forward(logging.Handler):

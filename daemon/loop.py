@@ -160,10 +160,10 @@ class Daemon:
         self.notifier.extend_timeout(cfg.daemon.checkpoint_timeout_seconds)
         if cfg.engine.rollout_backend in VLLM_BACKENDS:  # vLLM's own log lines, as JSON events
             os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-            logs.forward_library_logs(self.log, "vllm", cfg.daemon.log_level)
+            logs.forward_library_logs(self.log, logs.VLLM_LOGGERS, cfg.daemon.log_level)
         self.engine = Engine(cfg.engine)  # before the run dir: a bad engine config creates nothing
-        if cfg.engine.rollout_backend == "vllm-server":
-            self._start_rollout_server()
+        if cfg.engine.rollout_backend in VLLM_BACKENDS:  # before the run dir, as the engine
+            self._start_sampler()
         if cfg.engine.eval_every:
             self.evaluator = Evaluator(self.engine)
         self.policy = GuardPolicy(cfg.guards)
@@ -205,19 +205,19 @@ class Daemon:
         self._publish_status("running")
         self.notifier.ready(self._status_line())
 
-    def _start_rollout_server(self) -> None:
-        """vllm-server: grpod's own server up (or the named one answering) before READY."""
-        timeout = self.config.engine.vllm_server_start_timeout_seconds
-        self.notifier.extend_timeout(timeout)
-        self.notifier.status("starting the rollout server")
+    def _start_sampler(self) -> None:
+        """vLLM up before READY and the run dir (what it refuses creates nothing): colocated,
+        or grpod's own server (or the named one answering)."""
+        self.notifier.extend_timeout(self.config.engine.vllm_server_start_timeout_seconds)
+        self.notifier.status("starting vLLM")
         started = time.perf_counter()
         self.engine.start_sampler()
-        sampler = self.engine.vllm
+        client, process = (getattr(self.engine.vllm, k, None) for k in ("client", "process"))
         self.log.info(
-            "rollout server",
-            url=sampler.client.url,
-            pid=sampler.process.pid if sampler.process is not None else None,
-            started=sampler.process is not None,
+            "rollout server" if client is not None else "vllm started",
+            url=client.url if client is not None else None,
+            pid=process.pid if process is not None else None,
+            started=process is not None,
             seconds=round(time.perf_counter() - started, 3),
         )
 
@@ -656,9 +656,9 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def _device() -> str:
+def _device(device: Any = None) -> str:
+    """What a run records as its device (`device`: a torch.device; default CUDA 0 or CPU)."""
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return "cpu"
+    device = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

@@ -137,11 +137,38 @@ class RunDir:
             return None
 
 
-def existing_run_dir(path: str | os.PathLike) -> RunDir:
-    """A run directory a reader command names; ConfigError when it is not one."""
+def existing_run_dir(path: str | os.PathLike, store_url: str = "") -> RunDir:
+    """A run directory a reader command names, as this grpod writes one: its run.json with a
+    run id and the inputs' digests, its store at this grpod's schema (`store_url`: the
+    command's, else the run's). ConfigError or ForensicsError naming the file and the reason;
+    nothing is written (a store of another schema is left as it is)."""
     run = RunDir(path)
-    if not run.is_run():
-        raise ConfigError(f"run dir {run.path}: not a grpod run directory")
+    record_path = run.path / RUN_NAME
+    if not record_path.is_file():
+        raise ConfigError(f"run dir {run.path}: not a grpod run directory (no {RUN_NAME})")
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{record_path}: unreadable: {exc}") from None
+    if not isinstance(record, dict) or "run_id" not in record:
+        raise ConfigError(f"{record_path}: no run_id (not written by grpod)")
+    if not isinstance(record.get("inputs"), dict):  # every grpod since the digests writes them
+        raise ConfigError(
+            f"{record_path}: no inputs digests: written by an older grpod, whose model and "
+            "task files this one cannot check"
+        )
+    from grpod.forensics.errors import ForensicsError
+    from grpod.forensics.store import Store
+
+    store = Store(run.path, store_url, create=False)  # ForensicsError: no store there
+    try:
+        store.revision()
+    except ForensicsError:  # unreadable: each command names it (fsck: a problem, exit 1)
+        return run
+    else:
+        store.check_schema()  # a newer grpod's (or an older, before `grpod db upgrade`)
+    finally:
+        store.close()
     return run
 
 
@@ -171,6 +198,12 @@ def resolve_plan(config_file: str | None, run_dir: str | None, overrides: dict[s
     if given is not None:  # its relative paths are the cwd's: recorded absolute (self-contained)
         given = given.model_copy(update={"engine": absolute(given.engine)})
     if target.is_run():
+        if target.trainer() == "trl":  # its config names a tokenizer, not a model to train
+            raise ConfigError(
+                f"run dir {target.path}: recorded by a TRL script (grpod.integrations.trl), "
+                "not by grpod run; resume it by running that script again with the same "
+                "GrpodTRLConfig(run_dir=...) and trainer.train(resume_from_checkpoint=True)"
+            )
         base = load_config(target.config_path)
         if given is not None:
             _check_same_run(given, base, target.config_path)

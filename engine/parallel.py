@@ -26,6 +26,7 @@ there is no copy to refresh; the DCP checkpoint path is the same as FSDP2's.
 from __future__ import annotations
 
 import datetime
+import inspect
 import math
 import types
 from dataclasses import dataclass
@@ -129,8 +130,12 @@ class Parallel:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.local_rank] if next(model.parameters()).is_cuda else None
+        # torch 2.13 renamed the flag (the old name warns on every rank); either way the
+        # buffers are synced at init at most, never per forward
+        known = inspect.signature(DistributedDataParallel).parameters
+        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in known else "broadcast_buffers"
         wrapped = DistributedDataParallel(
-            _Trunk(model, dtype), device_ids=device_ids, broadcast_buffers=False
+            _Trunk(model, dtype), device_ids=device_ids, **{no_sync: False}
         )
         wrapped.register_comm_hook(None, _sum_hook)
         return wrapped

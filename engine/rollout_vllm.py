@@ -30,10 +30,9 @@ import torch
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
 from grpod.engine.torch_sampler import Rollout
+from grpod.engine.vllm_limits import CPU_KV_CACHE_BYTES, served_lengths
 from grpod.engine.weight_sync import CONTINUATION_TOKENS, ProbeScores, PushFaults
 from grpod.oneline import one_line
-
-CPU_KV_CACHE_BYTES = 512 << 20  # vLLM's CPU KV cache when vllm_kv_cache_bytes is unset
 
 
 class ServedModel:
@@ -45,14 +44,18 @@ class ServedModel:
         to what the model's positions hold); `self.max_model_len` fits it and a sequence."""
         self.path = Path(config.model)
         positions = int(model.config.max_position_embeddings)
-        if self.path.is_dir():  # the probe fits the model's positions (the tiny model's grow)
-            probe_tokens = min(probe_tokens, positions - CONTINUATION_TOKENS)
-        self.probe_tokens = probe_tokens
-        self.max_model_len = max(config.seq_len, probe_tokens + CONTINUATION_TOKENS)
+        # the probe fits the model's positions (the tiny model's grow); preflight counts the same
+        lengths = config.model_copy(update={"weight_sync_probe_tokens": probe_tokens})
+        self.probe_tokens, self.max_model_len = served_lengths(
+            lengths, positions if self.path.is_dir() else None
+        )
         self._export: tempfile.TemporaryDirectory | None = None
         if not self.path.is_dir():  # the built-in tiny model: export it once for vLLM to load
             self._export = tempfile.TemporaryDirectory(prefix="grpod-vllm-")
             model.config.max_position_embeddings = max(positions, self.max_model_len)
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # stderr is for the one line an error gets
             try:  # rotary positions are computed, not learned: more of them change no weight
                 model.save_pretrained(self._export.name, safe_serialization=True)
             finally:
@@ -105,6 +108,7 @@ class VLLMSampler:
                 max_model_len=self.max_model_len,
                 logprobs_mode="processed_logprobs",
                 enable_prefix_caching=True,
+                use_tqdm_on_load=False,  # stderr is for grpod's lines
                 enforce_eager=self.platform == "cpu",  # no graph capture or compile on CPU
                 # a prompt prefilled in part rewinds its seeded generator, which a CPU
                 # generator cannot: the engine core dies (tests/vllm/test_long_prompts.py)

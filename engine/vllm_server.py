@@ -30,7 +30,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from grpod.engine.errors import SamplerError
+from grpod.engine.errors import EngineError, SamplerError
 
 HEALTH_POLL_SECONDS = 0.25
 STOP_SECONDS = 30.0  # SIGTERM to the server's process group, then SIGKILL
@@ -40,6 +40,7 @@ _LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 # allowed: what a server that died while starting died of
 _EXCEPTION = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:[\w.]+\.)?\w*(?:Error|Exception): ")
 _PR_SET_PDEATHSIG = 1
+_USAGE_ERROR = re.compile(r"^[\w.-]+: error: (.+)$")  # argparse's last line, before exit 2
 
 
 UNIX_PREFIX = "unix:"  # a server URL that is a Unix socket's path: unix:/run/x/vllm.sock
@@ -174,6 +175,12 @@ class ServerProcess:
             status = self.exit_status()
             if status is not None:
                 self._reader.join(timeout=5)  # its last lines say why
+                refused = _USAGE_ERROR.match(self.last_lines[-1] if self.last_lines else "")
+                if status == 2 and refused:  # argparse's: the config's fault, not a restart's
+                    raise EngineError(
+                        f"vllm_server_args: the vLLM server refused its arguments: "
+                        f"{refused.group(1)}"
+                    )
                 raise SamplerError(
                     f"rollout server {client.url}: exited with status {status} while "
                     f"starting{self.last_error()}"

@@ -193,8 +193,8 @@ class Store:
             known = None
         if known is None:
             raise ForensicsError(
-                f"store {self.label}: schema revision {current} is newer than this grpod "
-                f"(head {self.head()}); upgrade grpod"
+                f"store {self.label}: written by a newer grpod: schema revision {current} is "
+                f"newer than this grpod (head {self.head()}); upgrade grpod"
             )
 
     def upgrade(self) -> str:

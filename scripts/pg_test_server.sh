@@ -21,6 +21,14 @@ action="$1"
 PG_TEST_PASSWORD="grpod-test-secret-5f1c"  # tests/daemon/test_secrets.py greps for it
 port="$3"
 [[ "$port" =~ ^[0-9]+$ ]] || die "PORT must be a number, got '$port'"
+# a fixed port inside the kernel's ephemeral range can be taken by any outgoing connection
+# (a vLLM worker beside the tests opens a dozen): the server would fail to start
+if [[ "$1" == "start" && -r /proc/sys/net/ipv4/ip_local_port_range ]]; then
+    read -r low high </proc/sys/net/ipv4/ip_local_port_range
+    if ((port >= low && port <= high)); then
+        die "PORT $port is inside the kernel's ephemeral range $low-$high (ip_local_port_range): pick one below $low"
+    fi
+fi
 mkdir -p "$(dirname "$2")"
 datadir="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"
 

@@ -36,7 +36,7 @@ def _export(args: argparse.Namespace) -> int:
     from grpod.daemon.rundir import existing_run_dir
     from grpod.engine.export import export_pretrained
 
-    run = existing_run_dir(args.run_dir)
+    run = existing_run_dir(args.run_dir)  # store_url: config.toml's
     config = load_config(run.config_path)
     if config.engine.model != "tiny-qwen2":  # export reads the model dir, never the task
         run.check_inputs(under=config.engine.model)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpod.daemon.commands.args import non_negative
 from grpod.daemon.commands.status import DEFAULT_RUN_DIR
 from grpod.daemon.exitcodes import EXIT_FAILURE, EXIT_OK
+
+if TYPE_CHECKING:
+    from grpod.daemon.rundir import RunDir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -91,9 +94,7 @@ def _replay(args: argparse.Namespace) -> int:
 
     if (args.incident is None) == (args.step is None):
         raise ForensicsError("give an INCIDENT_ID or --step N (exactly one)")
-    from grpod.daemon.rundir import RunDir
-
-    run = RunDir(args.run_dir)
+    run = _run_dir(args)
     run.check_inputs()  # a moved or changed model or task is named
     progress = _ProgressBar() if sys.stderr.isatty() else None
     if run.trainer() == "trl":  # recorded by grpod.integrations.trl: through TRL's own loss
@@ -161,6 +162,7 @@ def _replay(args: argparse.Namespace) -> int:
 def _incidents_list(args: argparse.Namespace) -> int:
     from grpod.forensics import list_incidents
 
+    _run_dir(args)
     rows = list_incidents(args.run_dir, args.store_url)
     if args.json:
         print(json.dumps(rows))
@@ -181,6 +183,7 @@ def _incidents_list(args: argparse.Namespace) -> int:
 def _incidents_show(args: argparse.Namespace) -> int:
     from grpod.forensics.incidents import incident_batch
 
+    _run_dir(args)
     detail, config, batch = incident_batch(args.run_dir, args.id, args.store_url)
     count = args.samples
     if count is None:
@@ -243,6 +246,7 @@ def _decoded(config: dict[str, Any], batch: Any, limit: int | None) -> tuple[lis
 def _incidents_export(args: argparse.Namespace) -> int:
     from grpod.forensics import export_incident
 
+    _run_dir(args)
     notes: list[str] = []
 
     def decode(batch: Any, config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -260,6 +264,7 @@ def _incidents_export(args: argparse.Namespace) -> int:
 def _fsck(args: argparse.Namespace) -> int:
     from grpod.forensics import fsck
 
+    _run_dir(args)
     report = fsck(args.run_dir, args.store_url)
     if args.json:
         print(json.dumps(report.to_dict()))
@@ -300,6 +305,13 @@ def _gc(args: argparse.Namespace) -> int:
     if not out["within_budget"]:
         print("gc: still over budget: the rest is pinned by incidents or the newest checkpoint")
     return 0
+
+
+def _run_dir(args: argparse.Namespace) -> RunDir:
+    """The run dir a reader names, as this grpod writes one (rundir.existing_run_dir)."""
+    from grpod.daemon.rundir import existing_run_dir
+
+    return existing_run_dir(args.run_dir, args.store_url)
 
 
 class _ProgressBar:

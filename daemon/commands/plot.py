@@ -336,6 +336,9 @@ def _plot(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--out {args.out}: exists and is not a directory (plot writes its PNG files into one)"
         )
+    from grpod.daemon.rundir import existing_run_dir
+
+    existing_run_dir(args.run_dir, args.store_url)  # as every reader: this grpod's run dir
     series = load_series(args.run_dir, args.store_url)
     title = (
         f"grpod {Path(args.run_dir).resolve().name}: steps {series.steps[0]}..{series.steps[-1]}"

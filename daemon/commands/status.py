@@ -24,11 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _status(args: argparse.Namespace) -> int:
     from grpod.daemon.rundir import existing_run_dir
 
-    run = existing_run_dir(args.run_dir)
+    store_url = _store_url(args.run_dir)
+    run = existing_run_dir(args.run_dir, store_url)  # its store at this grpod's schema
     live = run.read_status() or {}
     if live.get("state") in ("starting", "running", "stopping") and not _alive(live.get("pid")):
         live["state"] = "dead (no process; resume with grpod run --run-dir)"
-    store_url = _store_url(run)
     summary = store_summary(run.path, store_url, strict=True) or {}  # unreadable: exit 2
     result = {"run_dir": str(run.path), "run_id": run.run_id(), **live, **summary}
     if args.json:
@@ -81,10 +81,13 @@ def store_summary(
     }
 
 
-def _store_url(run: Any) -> str:
+def _store_url(run_dir: str) -> str:
+    """The run's `[forensics] store_url` ('' without a config: existing_run_dir names why)."""
     from grpod.daemon.config import load_config
+    from grpod.daemon.rundir import CONFIG_NAME
 
-    return load_config(run.config_path).forensics.store_url
+    config = os.path.join(run_dir, CONFIG_NAME)
+    return load_config(config).forensics.store_url if os.path.isfile(config) else ""
 
 
 def _alive(pid: Any) -> bool:

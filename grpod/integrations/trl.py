@@ -36,15 +36,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.logging import get_logger
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from grpod.daemon.exitcodes import EXIT_HALT
-from grpod.daemon.loop import _versions
+from grpod.daemon.loop import _device, _versions
 from grpod.engine.report import StepReport
 from grpod.engine.step import StepResult, decide_step
-from grpod.engine.verdict import Outcome
+from grpod.engine.verdict import Action, Outcome
 from grpod.forensics.config import ForensicsConfig
 from grpod.guards.config import GuardsConfig
 from grpod.guards.policy import GuardPolicy
@@ -60,6 +61,7 @@ from grpod.integrations.trl_checkpoint import load_guards, write_manifest
 from grpod.integrations.trl_optim import DecliningOptimizer, FollowingScheduler
 from grpod.integrations.trl_sink import RunSink, is_halt
 
+_logger = get_logger("trl.grpod")  # TRL's own loggers are accelerate's, under `trl`
 MICRO_METRICS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean")
 # guards that cannot apply to TRL's step: no micro reorder (TRL's divisor is the step's
 # num_items_in_batch), no weight-sync probe of a separate sampler
@@ -125,6 +127,7 @@ class GuardedGRPOTrainer(GRPOTrainer):
         self.grpod_optimizer: DecliningOptimizer | None = None
         self.grpod_halted: StepResult | None = None
         self.grpod_last: StepResult | None = None
+        self._grpod_unlogged: list[StepResult] = []  # decided since TRL's last log
         self._grpod_pending = _Pending([])
         self._grpod_micro: Micro | None = None
         self._grpod_generation: Generation | None = None
@@ -134,7 +137,12 @@ class GuardedGRPOTrainer(GRPOTrainer):
     # ----------------------------------------------------------------- the run
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """TRL's `train`, recorded in the run directory; raises `GrpodHalt` after a HALT."""
-        self.grpod_sink.start(self.processing_class, trl_config(self.args), _versions())
+        self.grpod_sink.start(
+            self.processing_class,
+            trl_config(self.args),
+            _versions(),
+            _device(self.accelerator.device),
+        )
         if isinstance(resume_from_checkpoint, str):
             load_guards(self.grpod_policy, resume_from_checkpoint)
         try:
@@ -239,10 +247,36 @@ class GuardedGRPOTrainer(GRPOTrainer):
         step = _DecidedStep(self.model, report, apply, pending)
         result = decide_step(step, self.grpod_policy, batch)  # type: ignore[arg-type]
         self.grpod_sink.publish(result, self.grpod_policy.gradnorm_vtc_correlation)
+        self._grpod_say(result)
         self.grpod_last = result
+        self._grpod_unlogged.append(result)
         if is_halt(result):
             self.grpod_halted = result
         return result.outcome is Outcome.APPLIED
+
+    def _grpod_say(self, result: StepResult) -> None:
+        """One line per finding through TRL's logging (its `trl.*` loggers, main process):
+        `grpod: step 3 FLUSH finite: <message> (incident 2)`."""
+        findings = [f for f in result.verdict.findings if f.action >= Action.WARN]
+        if not findings:
+            return
+        incidents = self.grpod_sink.incident_ids(result.step)
+        for finding in findings:
+            incident = incidents.get(finding.guard)
+            where = f" (incident {incident})" if incident is not None else ""
+            message = " ".join(finding.message.split())
+            _logger.warning(
+                f"grpod: step {result.step} {finding.action.name} {finding.guard}: {message}{where}"
+            )
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log, with the verdicts of the steps since the last one: `grpod/verdict`
+        the worst (0 PASS, 1 WARN, 2 FLUSH, 3 HALT), `grpod/flushed` how many were not applied."""
+        if self.model.training and self._grpod_unlogged:
+            results, self._grpod_unlogged = self._grpod_unlogged, []
+            logs["grpod/verdict"] = float(max(int(r.verdict.action) for r in results))
+            logs["grpod/flushed"] = float(sum(r.outcome is not Outcome.APPLIED for r in results))
+        super().log(logs, start_time)
 
     def _grpod_step(self, pending: _Pending) -> tuple[Any, StepReport]:
         micros, acc = pending.micros, self.accelerator

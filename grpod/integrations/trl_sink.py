@@ -72,10 +72,12 @@ class RunSink:
         host, port = self.server.address
         return f"http://{host}:{port}/metrics"
 
-    def start(self, tokenizer: Any, trl_config: dict[str, Any], versions: dict[str, str]) -> None:
-        """Rank 0: create (or resume) the run directory, register the run, serve metrics.
-        Every rank: this process's umask at least 027 (`private_umask`), for TRL's
-        checkpoints in the run directory too."""
+    def start(
+        self, tokenizer: Any, trl_config: dict[str, Any], versions: dict[str, str], device: str
+    ) -> None:
+        """Rank 0: create (or resume) the run directory, register the run (`device`: what
+        it trains on, as `grpod run` records it), serve metrics. Every rank: this process's
+        umask at least 027 (`private_umask`), for TRL's checkpoints in the run directory too."""
         private_umask()
         if self.rank != 0:
             return
@@ -101,7 +103,7 @@ class RunSink:
         last = self.recorder.store.last_recorded_step()
         self.last_recorded = -1 if last is None else last
         self.recorder.start_run(
-            self.run_id, {**config.to_json(), "trl": trl_config}, versions, "cpu"
+            self.run_id, {**config.to_json(), "trl": trl_config}, versions, device
         )
         self.metrics = Metrics(self.registry, versions)
         self.rank_metrics = RankMetrics(self.registry, self.rank)
@@ -137,6 +139,18 @@ class RunSink:
         self.health.beat()
         if time.monotonic() - self._status_written >= STATUS_INTERVAL_SECONDS:
             self.write_status("running")
+
+    def incident_ids(self, step: int) -> dict[str, int]:
+        """Rank 0: {guard: incident id} of the incidents that hold `step` (committed first;
+        called on a step with findings only). Other ranks: {}."""
+        if self.recorder is None:
+            return {}
+        self.recorder.drain()
+        return {
+            mark.guard: mark.id
+            for mark in self.recorder.store.incident_marks()
+            if mark.step <= step <= (mark.step if mark.last_step is None else mark.last_step)
+        }
 
     def note_checkpoint(self, step: int, path: str | os.PathLike) -> None:
         """A TRL checkpoint holding the state before step `step` (its global_step)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -378,6 +379,8 @@ def test_a_ddp_lora_campaign_a_guard_halts_exits_3_and_replays(tmp_path) -> None
     checkpoint = run_dir / "checkpoints" / f"step-{halted_at:08d}"
     assert {p.name for p in checkpoint.glob("rank-*")} == {"rank-0", "rank-1"}
     assert "grpod run: the job exits 3" in text
+    # grpod's lines only: no DDP deprecation at start, no torch elastic W/E lines at the HALT
+    assert "FutureWarning" not in text and not re.search(r"^[IWE]\d{4} ", text, re.M), text
     assert {p.name for p in (checkpoint / "rank-0").iterdir()} >= {"state.json"}
     with sqlite3.connect(run_dir / "grpod.sqlite") as db:
         outcomes = db.execute("SELECT step, outcome FROM steps ORDER BY step").fetchall()

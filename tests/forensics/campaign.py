@@ -7,6 +7,7 @@ close); the verdict here is a stand-in for the guards' (a contract verdict dict)
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,13 @@ def verdict_for(report: StepReport) -> dict[str, Any]:
     return {"action": action, "findings": findings}
 
 
+def stand_in_run_json(run_dir: Path, run_id: str) -> None:
+    """The run.json `grpod run` writes beside its store (the CLI's readers refuse a run dir
+    without one): a run id, and no model or task files to digest."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.json").write_text(json.dumps({"run_id": run_id, "inputs": {}}) + "\n")
+
+
 def run_campaign(
     run_dir: Path,
     steps: int,
@@ -82,6 +90,7 @@ def run_campaign(
     forensics = forensics or ForensicsConfig()
     engine = Engine(config)
     recorder = FlightRecorder(run_dir, forensics)
+    stand_in_run_json(run_dir, f"run-{run_dir.name}")
     recorder.start_run(
         f"run-{run_dir.name}",
         {

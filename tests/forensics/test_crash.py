@@ -15,6 +15,7 @@ from sqlalchemy import select
 from grpod.forensics import BlobStore, Store, fsck, gc
 from grpod.forensics.blobs import TEMP_PREFIX
 from grpod.forensics.models import Blob, Step
+from tests.forensics.campaign import stand_in_run_json
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
@@ -79,6 +80,7 @@ def test_sigkill_mid_write_leaves_no_referenced_partial_blob(tmp_path: Path) -> 
     for digest in rows:
         blobs.verify(digest)  # ... and its complete, verified file
 
+    stand_in_run_json(run_dir, "second")  # what `grpod run` writes beside the store
     out = subprocess.run([GRPOD, "fsck", "--run-dir", str(run_dir)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ok" in out.stdout.splitlines()[-1]

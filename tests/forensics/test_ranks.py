@@ -21,7 +21,7 @@ from grpod.forensics import FlightRecorder, ForensicsConfig, ForensicsError, Sto
 from grpod.forensics.incidents import incident_batch
 from grpod.forensics.models import Blob, Step, StepRank
 from grpod.jsonsafe import to_json
-from tests.forensics.campaign import TINY
+from tests.forensics.campaign import TINY, stand_in_run_json
 from tests.forensics.test_store import PASS, _migrate, decided, tiny_batch, tiny_report
 from tests.reports import make_report
 
@@ -88,6 +88,7 @@ def distributed_step(
 
 def recorder_for(run_dir: Path, store_url: str = "") -> FlightRecorder:
     recorder = FlightRecorder(run_dir, ForensicsConfig(store_url=store_url))
+    stand_in_run_json(run_dir, "r1")
     recorder.start_run("r1", {"engine": {}, "guards": {}}, {}, "cpu")
     return recorder
 

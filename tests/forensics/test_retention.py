@@ -12,6 +12,7 @@ from sqlalchemy import text
 from grpod.daemon.cli import main
 from grpod.engine import TransportBatch
 from grpod.forensics import ForensicsError, Store, fsck, gc, replay
+from tests.forensics.campaign import stand_in_run_json
 from tests.forensics.conftest import FAULT_STEP, blob_rows, damage_blob
 
 
@@ -116,8 +117,10 @@ def test_incidents_commands(run_copy: Path, tmp_path: Path, capsys: pytest.Captu
     with pytest.raises(SystemExit) as refused:
         main(["incidents", "show", "1", "--samples", "-1", "--run-dir", str(run_copy)])
     assert refused.value.code == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
-    assert line.endswith("argument --samples: must be >= 0: -1"), line
+    assert capsys.readouterr().err == (  # one line, as every refusal
+        "grpod incidents show: error: argument --samples: must be >= 0: -1 "
+        "(see grpod incidents show --help)\n"
+    )
 
 
 def test_db_upgrade_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -127,8 +130,9 @@ def test_db_upgrade_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["gc", "--run-dir", str(run_dir), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["within_budget"] is True
     assert main(["fsck", "--run-dir", str(tmp_path / "missing")]) == 2
-    assert "no such file" in capsys.readouterr().err
+    assert "not a grpod run directory (no run.json)" in capsys.readouterr().err
     assert not (tmp_path / "missing").exists()
+    stand_in_run_json(run_dir, "r")  # a run dir's, as `grpod run` writes it beside the store
     store = Store(run_dir)
     with store.engine.begin() as conn:
         conn.execute(text("UPDATE alembic_version SET version_num = 'f00d'"))

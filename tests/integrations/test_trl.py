@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -23,6 +24,7 @@ pytest.importorskip("trl")
 
 from transformers import TrainerCallback
 
+from tests.daemon.helpers import GRPOD
 from tests.dashboards.helpers import CONTRACT, load_alert_rules, metric_names, promtool
 from tests.integrations.trlrun import Faults, build_trainer, constant_reward, state_digest
 
@@ -57,15 +59,48 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+class _Lines(logging.Handler):
+    """The messages of grpod's lines in TRL's logging (`trl.grpod`)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+class _Logs(TrainerCallback):
+    """Every dict TRL logs (what its console prints)."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict[str, Any]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+        self.logs.append({**(logs or {}), "step": state.global_step})
+
+
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("trl")
     faults = Faults({NAN_STEP}, {INF_STEP}, {ACCOUNTING_STEP})
     trainer = build_trainer(root, max_steps=STEPS, faults=faults, metrics_port=0)
-    watch = _Watch(trainer, STEPS)
+    watch, logged, lines = _Watch(trainer, STEPS), _Logs(), _Lines()
     trainer.add_callback(watch)
-    trainer.train()
-    return {"root": root, "run": root / "run", "trainer": trainer, "watch": watch}
+    trainer.add_callback(logged)
+    logging.getLogger("trl.grpod").addHandler(lines)
+    try:
+        trainer.train()
+    finally:
+        logging.getLogger("trl.grpod").removeHandler(lines)
+    return {
+        "root": root,
+        "run": root / "run",
+        "trainer": trainer,
+        "watch": watch,
+        "logs": logged.logs,
+        "lines": lines.lines,
+    }
 
 
 def test_faults_are_flushed_and_leave_state_bit_identical(campaign: dict[str, Any]) -> None:
@@ -107,6 +142,60 @@ def test_cli_readers_work_on_the_trl_run(campaign: dict[str, Any]) -> None:
     assert fsck.returncode == 0 and "ok" in fsck.stdout, fsck.stdout + fsck.stderr
     plot = _cli("plot", "--run-dir", run, "--out", str(campaign["root"] / "plot.png"))
     assert plot.returncode == 0, plot.stderr
+
+
+def test_a_trl_user_sees_one_grpod_line_per_finding_and_the_verdict_in_the_logs(
+    campaign: dict[str, Any],
+) -> None:
+    lines = campaign["lines"]
+    listed = json.loads(
+        _cli("incidents", "list", "--run-dir", str(campaign["run"]), "--json").stdout
+    )
+    for step, guard in (
+        (NAN_STEP, "finite"),
+        (INF_STEP, "finite"),
+        (ACCOUNTING_STEP, "accounting"),
+    ):
+        incident = next(i["id"] for i in listed if i["guard"] == guard and i["step"] <= step)
+        # one line per finding (the finite guard finds the loss and a micro's loss at once)
+        mine = [line for line in lines if f"grpod: step {step} FLUSH {guard}: " in line]
+        assert mine and all(m.endswith(f"(incident {incident})") for m in mine), lines
+    assert all("\n" not in line for line in lines)
+    verdicts = {log["step"]: log.get("grpod/verdict") for log in campaign["logs"] if "loss" in log}
+    assert verdicts[NAN_STEP + 1] == verdicts[INF_STEP + 1] == 2.0  # FLUSH, logged after it
+    flushed = [log.get("grpod/flushed") for log in campaign["logs"] if "loss" in log]
+    assert flushed == [0.0, 1.0, 1.0, 1.0, 0.0]
+    status = json.loads(_cli("status", "--run-dir", str(campaign["run"]), "--json").stdout)
+    assert status["run_id"]
+    from grpod.daemon.loop import _device
+    from grpod.forensics import Store
+
+    store = Store(campaign["run"], create=False)
+    try:
+        with store.session() as session:
+            (run_id,) = store.run_ids(session)
+            recorded = store.run(session, run_id).device
+    finally:
+        store.close()
+    assert recorded == _device(campaign["trainer"].accelerator.device)
+
+
+def test_grpod_run_on_a_trl_run_dir_says_how_to_resume_it(campaign: dict[str, Any]) -> None:
+    before = sorted(p.name for p in campaign["run"].iterdir())
+    done = subprocess.run(
+        [GRPOD, "run", "--run-dir", str(campaign["run"])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"grpod run: error: run dir {campaign['run']}: recorded by a TRL script "
+        "(grpod.integrations.trl), not by grpod run; resume it by running that script again "
+        "with the same GrpodTRLConfig(run_dir=...) and "
+        "trainer.train(resume_from_checkpoint=True)"
+    ]
+    assert sorted(p.name for p in campaign["run"].iterdir()) == before
 
 
 def test_replay_reproduces_recorded_steps_through_trl(campaign: dict[str, Any]) -> None:
