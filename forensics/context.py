@@ -67,9 +67,10 @@ class ContextRestore:
         return [d for d in self.differs.values() if d.decides]
 
     def summary(self) -> dict[str, Any]:
-        """For `ReplayResult.context`: what was restored, what differs, and whether the
-        steps had a recorded context at all."""
+        """For `ReplayResult.context`: whether every step had a recorded context, what was
+        restored, what differs, and the lines `grpod replay` prints about it."""
         return {
+            "notes": self.notes(),
             "recorded": self.unrecorded == 0,
             "restored": self.restored,
             "differs": [
@@ -114,5 +115,5 @@ def _capability_hint(difference: ContextDifference) -> str:
         return ""
     recorded, now = str(difference.recorded), str(difference.replayed)
     if recorded in order and now in order and order.index(recorded) < order.index(now):
-        return f"; start the replay with ATEN_CPU_CAPABILITY={_CAPABILITY_ENV[recorded]}"
+        return f": start the replay with ATEN_CPU_CAPABILITY={_CAPABILITY_ENV[recorded]}"
     return ""

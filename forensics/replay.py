@@ -78,9 +78,9 @@ class ReplayResult:
     incident_id: int | None = None
     note: str = ""  # e.g. why the target itself was not compared
     trace: list[dict[str, Any]] | None = field(default=None)  # per micro, per chunk
-    # the recorded execution context (forensics/context.py): {"recorded": every step had
-    # one, "restored": {field: {recorded, shell}}, "differs": [{field, recorded, replayed,
-    # decides}]}
+    # the recorded execution context (forensics/context.py): {"notes": [lines], "recorded":
+    # every step had one, "restored": {field: {recorded, shell}}, "differs": [{field,
+    # recorded, replayed, decides}]}
     context: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -285,8 +285,8 @@ def _note(
     steps: int,
     contexts: ContextRestore,
 ) -> str:
-    """Why the comparison may say less than usual: a skipped target, the execution context
-    (restored, or differing), other software where no context was recorded."""
+    """Why the comparison may say less than usual: a skipped target, other software where
+    the steps have no recorded execution context (`ReplayResult.context` says the rest)."""
     notes = []
     if rank is not None and steps > 1:
         notes.append(
@@ -298,7 +298,6 @@ def _note(
             "the target was skipped without compute when recorded: computed now, compared "
             "only the steps before it"
         )
-    notes += contexts.notes()
     for name in ("torch", "transformers") if target.context is None else ():
         recorded = versions.get(name)
         try:

@@ -70,7 +70,8 @@ def test_replay_sets_the_recorded_threads_and_gives_the_shell_its_own_back(
     assert result.reproduced is True and result.classification == "healthy"
     assert result.context["restored"] == {"threads": {"recorded": 1, "shell": 3}}
     assert result.context["recorded"] and not result.context["differs"]
-    assert result.note == "context restored: threads 1 (the shell's 3)"
+    assert result.context["notes"] == ["context restored: threads 1 (the shell's 3)"]
+    assert not result.note
 
 
 def test_a_capability_that_cannot_be_restored_is_named_with_a_tolerance_verdict(
@@ -86,7 +87,8 @@ def test_a_capability_that_cannot_be_restored_is_named_with_a_tolerance_verdict(
     assert result.context["differs"] == [
         {"field": "cpu_capability", "recorded": OTHER_CAPABILITY, "replayed": now, "decides": True}
     ]
-    assert f"{why.removeprefix('context differs: ')} (cannot be restored" in result.note
+    (line,) = result.context["notes"]
+    assert line.startswith(f"{why} (cannot be restored in a running process")
 
 
 def test_beyond_the_tolerance_in_another_context_is_inconclusive_not_transient(
@@ -114,7 +116,10 @@ def test_a_field_that_does_not_decide_the_numbers_is_named_and_stays_bit_exact(
     result = replay(run, step=11)
     assert result.reproduced is True and result.classification == "healthy"
     assert result.context["differs"][0]["field"] == "vllm"
-    assert "does not change the trainer's numbers" in result.note
+    assert result.context["notes"] == [
+        "context differs: vllm recorded '0.1.0', replayed '' (does not change the trainer's "
+        "numbers)"
+    ]
 
 
 def test_a_store_before_contexts_upgrades_and_replays_as_before(
@@ -129,5 +134,5 @@ def test_a_store_before_contexts_upgrades_and_replays_as_before(
     store.close()
     result = replay(run, step=11)
     assert result.reproduced is True and result.context["recorded"] is False
-    assert "2 step(s) recorded without an execution context" in result.note
+    assert "2 step(s) recorded without an execution context" in result.context["notes"][0]
     assert math.isfinite(float(result.replayed["grad_norm"]))
