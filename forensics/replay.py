@@ -161,7 +161,7 @@ def replay(
     if reproduced and differs:
         reproduced = f"within {_rtol()} ({differs[-1]})"
     bad = target.row.verdict_action != Action.PASS.name or target.row.outcome != Outcome.APPLIED
-    note = _note(target, versions, rank, len(plan), contexts)
+    note = _note(target, versions, rank, len(plan))
     if diverged_at is not None:
         how = f"beyond {_rtol()} ({differs[0]})" if differs else "not bit-exact"
         note = "; ".join(filter(None, [f"diverged in {diverged_field}: {how}", note]))
@@ -278,13 +278,7 @@ def _load(blobs: BlobStore, row: Step, blob: Blob) -> _Planned:
     return _Planned(row, report, batch, recorded_context(row.context_json))
 
 
-def _note(
-    target: _Planned,
-    versions: dict[str, str],
-    rank: int | None,
-    steps: int,
-    contexts: ContextRestore,
-) -> str:
+def _note(target: _Planned, versions: dict[str, str], rank: int | None, steps: int) -> str:
     """Why the comparison may say less than usual: a skipped target, other software where
     the steps have no recorded execution context (`ReplayResult.context` says the rest)."""
     notes = []
