@@ -403,7 +403,10 @@ class Daemon:
         report = self.engine.skip(batch)
         self.engine.step = batch.step
         phases = {**self.engine.take_phase_seconds(), "guards": 0.0}
-        return StepResult(batch, report, Verdict.of([finding]), Outcome.SKIPPED, phases)
+        verdict = Verdict.of([finding])
+        return StepResult(
+            batch, report, verdict, Outcome.SKIPPED, phases, context=self.engine.context
+        )
 
     # ----------------------------------------------------------------- checkpoints, reload
     def _checkpoint(self, reason: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+import torch.nn.functional as F
 
 from grpod.engine.accounting import ValidTokenCounter
 from grpod.engine.batch import TransportBatch
@@ -166,8 +167,12 @@ class ForwardBackward:
         from trunk states `hidden[source[p]]` and the head weight; `targets: [rows * seq]`;
         and (`entropy`) the policy's detached per-token entropy from the same logits."""
         on_device = index.to(self.device)
+        # token p is scored by the logits at p-1; a shared prompt's last state is picked once
+        # per completion. F.embedding, not hidden[...]: advanced indexing's backward adds such
+        # repeats with atomic float adds on CPU at >1 thread (an order, a rounding, that vary
+        # from run to run); embedding's adds them in index order at any thread count, on GPU too
         return token_logprobs_entropy(
-            hidden[source[on_device - 1]],  # token p is scored by the logits at p-1
+            F.embedding(source[on_device - 1], hidden),
             head,
             targets[on_device],
             chunks=self.config.lmhead_chunks,

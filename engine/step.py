@@ -18,6 +18,7 @@ import torch
 
 from grpod.engine.ahead import AheadStats
 from grpod.engine.batch import TransportBatch
+from grpod.engine.context import ExecutionContext
 from grpod.engine.report import StepReport
 from grpod.engine.trainer import Engine
 from grpod.engine.verdict import Action, Finding, Outcome, Verdict
@@ -45,8 +46,9 @@ class StepPolicy(Protocol):
 class StepResult:
     """A decided step: the batch as run (reordered if a before-hook did), the engine's report,
     the verdict, what became of the update, the wall-clock seconds of each phase
-    (the engine's rollout, score, grad, optim, and the policy's guards), and with async
-    steps what the rollout window did (engine/ahead.py; the daemon adds it)."""
+    (the engine's rollout, score, grad, optim, and the policy's guards), with async
+    steps what the rollout window did (engine/ahead.py; the daemon adds it), and the
+    execution context it was computed under (engine/context.py; None: not known)."""
 
     batch: TransportBatch
     report: StepReport
@@ -54,6 +56,7 @@ class StepResult:
     outcome: Outcome
     phase_seconds: Mapping[str, float]
     ahead: AheadStats | None = None
+    context: ExecutionContext | None = None
 
     @property
     def step(self) -> int:
@@ -78,7 +81,9 @@ def decide_step(
         started = time.perf_counter()
         verdict = policy.decide(findings)
         guards += time.perf_counter() - started
-        return StepResult(batch, report, verdict, outcome, _phases(engine, guards))
+        return StepResult(
+            batch, report, verdict, outcome, _phases(engine, guards), context=engine.context
+        )
     report = engine.accumulate(run, global_valid_tokens=global_valid_tokens)
     started = time.perf_counter()
     verdict = policy.decide(findings + policy.after(run, report))
@@ -95,7 +100,9 @@ def decide_step(
             action = max(verdict.action, *(f.action for f in found))
             verdict = Verdict(action, [*verdict.findings, *found])
         guards += time.perf_counter() - started
-    return StepResult(run, report, verdict, outcome, _phases(engine, guards))
+    return StepResult(
+        run, report, verdict, outcome, _phases(engine, guards), context=engine.context
+    )
 
 
 def _phases(engine: Engine, guards: float) -> dict[str, float]:

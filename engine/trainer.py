@@ -16,6 +16,7 @@ from grpod.engine.assemble import Assembler, StepInputs
 from grpod.engine.batch import TransportBatch
 from grpod.engine.build import build_parts
 from grpod.engine.config import EngineConfig
+from grpod.engine.context import ExecutionContext
 from grpod.engine.cursor import DataCursor
 from grpod.engine.errors import EngineError, SamplerError
 from grpod.engine.faults import Faults
@@ -99,6 +100,8 @@ class Engine:
         self.rollout_model, self.reference = parts.rollout_model, parts.reference
         self.params, self.flat_weights = parts.params, parts.flat_weights
         self.kv_cache, self.stop_token_ids = parts.kv_cache, parts.stop_token_ids
+        # what decides the step's floats, held for every accumulate (engine/context.py)
+        self.context = ExecutionContext.capture(self.device)
         self.optimizer = build_optimizer(self.params, config, self.device)
         self.scheduler = build_schedule(self.optimizer, config)
         self.forward_backward = ForwardBackward(
@@ -233,6 +236,7 @@ class Engine:
         (over every rank). `global_valid_tokens`: the recorded global count instead, for the
         replay of one rank's part of a distributed step in one process."""
         self._check_accumulate(batch)
+        self.context.apply()  # a colocated vLLM's worker may have changed the threads
         with self.clock.timed("score"):
             reference = self._reference_logprobs(batch)  # kl_beta > 0
         with self.clock.timed("grad"):

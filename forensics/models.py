@@ -69,6 +69,8 @@ class Step(Base):
     verdict_json: Mapped[str] = mapped_column(Text)  # {"action", "findings": [...]}
     batch_digest: Mapped[str | None] = mapped_column(String(64))  # blobs.sha256 (may be pruned)
     report_json: Mapped[str] = mapped_column(Text)  # StepReport.to_dict()
+    # the ExecutionContext it was computed under (engine/context.py; schema 0006; NULL before)
+    context_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     # every StepReport scalar (StepReport.SCALARS)
     valid_tokens: Mapped[int] = mapped_column(Integer)

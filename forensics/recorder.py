@@ -60,6 +60,7 @@ class _StepItem:
     verdict: dict[str, Any]
     outcome: str
     rerun: bool
+    context: str | None  # the ExecutionContext's JSON (engine/context.py); None: not known
     seen: Observation | None = None  # what the step did to the episodes (writer thread)
 
 
@@ -169,14 +170,17 @@ class FlightRecorder:
         self.run_id = run_id
 
     def record(self, result: StepResult, *, rerun: bool = False) -> None:
-        """Queue one decided step: its batch, report, verdict and outcome (`StepResult`).
-        Blocks (counted) only when `queue_size` steps are waiting."""
+        """Queue one decided step: its batch, report, verdict, outcome and execution context
+        (`StepResult`). Blocks (counted) only when `queue_size` steps are waiting."""
         self._raise_failure()
         if self.run_id is None:
             raise ForensicsError("flight recorder: record() before start_run()")
         report = result.report.to_dict()  # a snapshot, taken on the caller's thread
         verdict = result.verdict.to_dict()
-        self._put(_StepItem(result.batch, report, verdict, str(result.outcome), rerun))
+        context = None
+        if result.context is not None:
+            context = json.dumps(result.context.to_dict(), sort_keys=True)
+        self._put(_StepItem(result.batch, report, verdict, str(result.outcome), rerun, context))
 
     def note_checkpoint(self, step: int, path: str | os.PathLike) -> None:
         """A checkpoint taken with engine.step == `step` (the state before step `step`)."""
@@ -337,6 +341,7 @@ class FlightRecorder:
             verdict_json=json.dumps(item.verdict, sort_keys=True),
             batch_digest=blob.digest,
             report_json=json.dumps(report),
+            context_json=item.context,
             recorded_at=_now(),
             **scalars,
         )

@@ -42,11 +42,13 @@ from grpod.engine import (
     TransportBatch,
     distcp,
 )
+from grpod.engine.context import ExecutionContext
 from grpod.engine.inputs import without_reward_code
 from grpod.engine.step import decide_step
 from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.compare import REPLAY_RTOL, bit_equal, close, topology
+from grpod.forensics.context import ContextRestore, recorded_context
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Step
 from grpod.forensics.ranks import RankRecord
@@ -65,7 +67,9 @@ class ReplayResult:
     step: int
     recorded: dict[str, Any]  # COMPARED fields of the record (JSON-safe)
     replayed: dict[str, Any]  # the same fields from the replay
-    classification: str  # persistent | transient | healthy
+    # persistent | transient | healthy | inconclusive (diverged beyond REPLAY_RTOL where the
+    # execution context differs: no verdict on the fault, see `context`)
+    classification: str
     diverged_at: int | None  # first step whose compared fields differ
     field: str | None  # the first differing field at that step
     outcome: str  # the target step's recorded outcome
@@ -75,6 +79,10 @@ class ReplayResult:
     incident_id: int | None = None
     note: str = ""  # e.g. why the target itself was not compared
     trace: list[dict[str, Any]] | None = field(default=None)  # per micro, per chunk
+    # the recorded execution context (forensics/context.py): {"notes": [lines], "recorded":
+    # every step had one, "restored": {field: {recorded, shell}}, "differs": [{field,
+    # recorded, replayed, decides}]}
+    context: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +93,7 @@ class _Planned:
     row: Step
     report: StepReport
     batch: TransportBatch
+    context: ExecutionContext | None = None  # what it was computed under (None: unrecorded)
     ranks: list[RankRecord] = field(default_factory=list)  # the target's only
 
 
@@ -107,6 +116,7 @@ def replay(
         store.check_schema()
         config, versions, checkpoint, plan = _plan(store, step, incident_id)
         recorded_rank = None if rank is None else _rank_of(plan[-1], rank)
+        process = ExecutionContext.capture()  # set again when the replay ends
         engine = _restore(store, config, checkpoint)
     finally:
         store.close()
@@ -115,30 +125,38 @@ def replay(
         raise ForensicsError("replay: --rank R runs in one process, not under torchrun")
     world = engine.parallel.world_size if part is not None else 1
     diverged_at = diverged_field = None
-    differs: list[str] = []  # topologies whose numbers were within the tolerance, not equal
+    differs: list[str] = []  # why numbers were within the tolerance, not equal (topology, context)
     replayed: StepReport | None = None
-    for done, item in enumerate(plan):
-        is_target = done == len(plan) - 1
-        mine = rank if is_target and rank is not None else part
-        if part is not None and item.report.world_size not in (1, world):
-            raise ForensicsError(
-                f"step {item.report.step}: recorded on {item.report.world_size} ranks; replay "
-                f"it under torchrun with --nproc-per-node {item.report.world_size}, or in one "
-                f"process (not on {world} ranks)"
-            )
-        replayed = _rerun(engine, item, is_target, mine, alone=mine is not None and part is None)
-        compared = is_target or rank is None  # --rank: the steps before run only to get there
-        if compared and item.row.outcome != Outcome.SKIPPED and diverged_at is None:
-            own = recorded_rank if is_target else None
-            topology_ = topology(item.report.world_size, world, rank, len(plan))
-            diverged_field, equal = _first_difference(item.report, replayed, own, topology_)
-            if diverged_field is not None:
-                diverged_at = item.report.step
-                differs = [topology_] if topology_ else []
-            elif not equal:
-                differs.append(topology_)
-        if progress is not None:
-            progress(done + 1, len(plan), item.report.step)
+    contexts = ContextRestore(engine)
+    try:
+        for done, item in enumerate(plan):
+            is_target = done == len(plan) - 1
+            mine = rank if is_target and rank is not None else part
+            if part is not None and item.report.world_size not in (1, world):
+                raise ForensicsError(
+                    f"step {item.report.step}: recorded on {item.report.world_size} ranks; "
+                    f"replay it under torchrun with --nproc-per-node {item.report.world_size}, "
+                    f"or in one process (not on {world} ranks)"
+                )
+            context_differs = contexts.before(item.context)
+            alone = mine is not None and part is None
+            replayed = _rerun(engine, item, is_target, mine, alone=alone)
+            compared = is_target or rank is None  # --rank: the steps before only get there
+            if compared and item.row.outcome != Outcome.SKIPPED and diverged_at is None:
+                own = recorded_rank if is_target else None
+                why = topology(item.report.world_size, world, rank, len(plan))
+                why = "; ".join(filter(None, [why, context_differs]))
+                diverged_field, equal = _first_difference(item.report, replayed, own, why)
+                if diverged_field is not None:
+                    diverged_at = item.report.step
+                    differs = [why] if why else []
+                elif not equal:
+                    differs.append(why)
+            if progress is not None:
+                progress(done + 1, len(plan), item.report.step)
+    finally:
+        engine.context = contexts.shell
+        process.apply()
     target = plan[-1]
     reproduced: bool | str = diverged_at is None
     if reproduced and differs:
@@ -148,12 +166,15 @@ def replay(
     if diverged_at is not None:
         how = f"beyond {_rtol()} ({differs[0]})" if differs else "not bit-exact"
         note = "; ".join(filter(None, [f"diverged in {diverged_field}: {how}", note]))
+    classification = ("persistent" if bad else "healthy") if reproduced else "transient"
+    if not reproduced and contexts.decisive:  # another machine's numbers: no word on the fault
+        classification = "inconclusive"
     return ReplayResult(
         reproduced=reproduced,
         step=target.report.step,
         recorded=_fields(target.report, recorded_rank),
         replayed=_fields(replayed, None, local=rank is not None) if replayed is not None else {},
-        classification=("persistent" if bad else "healthy") if reproduced else "transient",
+        classification=classification,
         diverged_at=diverged_at,
         field=diverged_field,
         outcome=target.row.outcome,
@@ -167,6 +188,7 @@ def replay(
             if trace and replayed is not None
             else None
         ),
+        context=contexts.summary(),
     )
 
 
@@ -253,11 +275,13 @@ def _load(blobs: BlobStore, row: Step, blob: Blob) -> _Planned:
         batch = TransportBatch.from_tensors(tensors, metadata, source=f"blob {row.batch_digest}")
     except EngineError as exc:
         raise ForensicsError(str(exc)) from None
-    return _Planned(row, StepReport.from_dict(json.loads(row.report_json)), batch)
+    report = StepReport.from_dict(json.loads(row.report_json))
+    return _Planned(row, report, batch, recorded_context(row.context_json))
 
 
 def _note(target: _Planned, versions: dict[str, str], rank: int | None, steps: int) -> str:
-    """Why the comparison may say less than usual: a skipped target, other software."""
+    """Why the comparison may say less than usual: a skipped target, other software where
+    the steps have no recorded execution context (`ReplayResult.context` says the rest)."""
     notes = []
     if rank is not None and steps > 1:
         notes.append(
@@ -269,7 +293,7 @@ def _note(target: _Planned, versions: dict[str, str], rank: int | None, steps: i
             "the target was skipped without compute when recorded: computed now, compared "
             "only the steps before it"
         )
-    for name in ("torch", "transformers"):
+    for name in ("torch", "transformers") if target.context is None else ():
         recorded = versions.get(name)
         try:
             now = importlib.metadata.version(name)

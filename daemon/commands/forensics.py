@@ -141,6 +141,8 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"  first differing field: {result.field}")
     if result.note:
         print(f"  note: {result.note}")
+    for line in result.context.get("notes", []):  # restored, or differing and named
+        print(f"  {line}")
     for name in result.recorded:
         print(
             f"  {name:<13} recorded {result.recorded[name]!r:<24} "

@@ -237,9 +237,19 @@ def run_to_end(args: list[str], cwd: Path, env: dict[str, str] | None = None) ->
     return g
 
 
-def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """A `grpod` command (not `run`'s service loop) to its end, output captured."""
-    return subprocess.run([GRPOD, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+def cli(
+    *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """A `grpod` command (not `run`'s service loop) to its end, output captured; `env` is
+    added to this process's environment."""
+    return subprocess.run(
+        [GRPOD, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:

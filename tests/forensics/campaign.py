@@ -128,7 +128,7 @@ def run_campaign(
                 else:
                     outcome = "applied"
                     engine.apply()
-            recorder.record(decided(batch, report, verdict, outcome))
+            recorder.record(decided(batch, report, verdict, outcome, engine.context))
             campaign.reports[report.step] = report
             campaign.outcomes[report.step] = outcome
     finally:

@@ -184,11 +184,22 @@ def test_cli_text_replay_draws_a_progress_bar_on_a_tty(
 
 
 def test_other_software_is_noted(run_copy: Path) -> None:
+    store = Store(run_copy)
+    with store.session() as session:  # each step's execution context names the software
+        for row in session.scalars(select(Step)).all():
+            context = {**json.loads(row.context_json), "torch": "1.0.0"}
+            row.context_json = json.dumps(context)
+    store.close()
+    result = replay(run_copy, step=12)
+    (line,) = result.context["notes"]
+    assert result.reproduced and line.startswith("context differs: torch recorded '1.0.0'")
+    # a store before execution contexts: the run's versions
     from grpod.forensics.models import Run
 
     store = Store(run_copy)
     with store.session() as session:
         session.execute(update(Run).values(versions_json=json.dumps({"torch": "1.0.0"})))
+        session.execute(update(Step).values(context_json=None))
     store.close()
     result = replay(run_copy, step=12)
     assert result.reproduced and "recorded with torch 1.0.0, replayed with" in result.note

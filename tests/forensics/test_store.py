@@ -15,6 +15,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import func, select, text
 
 from grpod.engine import Outcome, StepReport, StepResult, TransportBatch, Verdict
+from grpod.engine.context import ExecutionContext
 from grpod.forensics import BlobStore, FlightRecorder, ForensicsConfig, ForensicsError, Store
 from grpod.forensics.models import Base, Blob, Checkpoint, Incident, Run, Step
 from grpod.forensics.store import NotedCheckpoint, RunSummary
@@ -42,10 +43,16 @@ def tiny_batch(step: int) -> TransportBatch:
 
 
 def decided(
-    batch: TransportBatch, report: StepReport, verdict: dict[str, Any], outcome: str
+    batch: TransportBatch,
+    report: StepReport,
+    verdict: dict[str, Any],
+    outcome: str,
+    context: ExecutionContext | None = None,
 ) -> StepResult:
-    """A decided step as the daemon hands it to the recorder, from a verdict dict."""
-    return StepResult(batch, report, Verdict.from_dict(verdict), Outcome(outcome), {})
+    """A decided step as the daemon hands it to the recorder, from a verdict dict; `context`:
+    the engine's execution context it ran under."""
+    verdict_ = Verdict.from_dict(verdict)
+    return StepResult(batch, report, verdict_, Outcome(outcome), {}, context=context)
 
 
 def tiny_report(step: int, loss: float = 0.25) -> StepReport:
@@ -114,7 +121,7 @@ def test_a_store_of_file_blobs_upgrades_and_inline_blobs_refuse_a_downgrade(
     store = Store(tmp_path, store_url)
     _migrate(store, "upgrade", "0001")  # a store written by the grpod before inline blobs
     store.close()
-    with pytest.raises(ForensicsError, match="older than 0005"):  # this grpod needs 0005
+    with pytest.raises(ForensicsError, match="older than 0006"):  # this grpod needs 0006
         FlightRecorder(tmp_path, ForensicsConfig(store_url=store_url), upgrade=False)
     store = Store(tmp_path, store_url)  # a blob file and its row, as 0001 wrote them
     digest, size = BlobStore(tmp_path).write(tiny_batch(5).tensors(), tiny_batch(5).metadata())
@@ -126,7 +133,7 @@ def test_a_store_of_file_blobs_upgrades_and_inline_blobs_refuse_a_downgrade(
             ),
             {"d": digest, "s": size, "p": f"blobs/sha256/{digest}"},
         )
-    assert store.upgrade() == "0005"
+    assert store.upgrade() == "0006"
     with store.session() as session:
         blob = session.get(Blob, digest)
         assert blob.data is None and blob.path == f"blobs/sha256/{digest}"
@@ -137,7 +144,7 @@ def test_a_store_of_file_blobs_upgrades_and_inline_blobs_refuse_a_downgrade(
     store = Store(tmp_path, store_url, create=False)
     with pytest.raises(Exception, match="stored inline; nothing changed"):
         _migrate(store, "downgrade", "0001")
-    assert store.revision() == "0005"  # nothing changed: the downgrade rolled back whole
+    assert store.revision() == "0006"  # nothing changed: the downgrade rolled back whole
     with store.session() as session:
         assert session.scalar(select(func.count()).where(Blob.data.is_not(None))) == 1
     store.close()
