@@ -142,6 +142,9 @@ def existing_run_dir(path: str | os.PathLike, store_url: str = "") -> RunDir:
     run id and the inputs' digests, its store at this grpod's schema (`store_url`: the
     command's, else the run's). ConfigError or ForensicsError naming the file and the reason;
     nothing is written (a store of another schema is left as it is)."""
+    from grpod.forensics.store import refuse_password
+
+    refuse_password(store_url)  # the command's own argument, before any file is read
     run = RunDir(path)
     record_path = run.path / RUN_NAME
     if not record_path.is_file():

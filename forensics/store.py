@@ -86,6 +86,12 @@ def resolve_store_url(run_dir: str | os.PathLike, store_url: str = "") -> str:
     return store_url or f"sqlite:///{(run_dir / SQLITE_NAME).resolve()}"
 
 
+def refuse_password(url: str) -> None:
+    """ForensicsError when the store URL `url` carries a password (named without it)."""
+    if has_password(url):
+        raise ForensicsError(f"store {_without_password(url)}: {PASSWORD_REFUSED}")
+
+
 class Store:
     """The database of one run directory. `create=False` refuses a missing SQLite file."""
 
@@ -102,8 +108,7 @@ class Store:
         self.is_sqlite = self.url.startswith("sqlite")
         self.shared = bool(store_url or not self.url.endswith(f"/{SQLITE_NAME}"))
         self.label = _without_password(self.url)  # for messages
-        if has_password(self.url):  # a --store-url (a config's is refused when loaded)
-            raise ForensicsError(f"store {self.label}: {PASSWORD_REFUSED}")
+        refuse_password(self.url)  # a --store-url (a config's is refused when loaded)
         if self.is_sqlite and not create:
             path = Path(self.url.split("///", 1)[-1])
             if not path.is_file():
