@@ -4,8 +4,9 @@ Two readings of one statistic. At the same weight version (an on-policy step) th
 and the trainer run the same weights, and any gap beyond kernel noise (1e-5 nats on W4, 0.075
 p90 for BF16) is a disagreement: stale weights, another dtype or kernel. A rollout sampled k
 versions ago (`max_staleness` > 0) differs from the current policy by design, by k updates of
-drift that importance correction (tis_cap) accounts for: on W4 at staleness 1, 21-29% of
-tokens move by more than 0.1 nats with a p99 of 0.9 nats. That reading gets its own bounds,
+drift that importance correction (tis_cap) accounts for: on W4 with the vLLM server, at
+staleness 1 16-31% of tokens move by more than 0.1 nats with a p99 of 0.37-1.0 nats, at
+staleness 2 38-46% with a p99 of 1.12-1.21 nats. That reading gets its own bounds,
 p99 per version behind, so a healthy async run raises nothing while a sampler whose weights
 drifted far more than its staleness explains still does. (Whether the sampler holds the
 weights it was pushed is the weight-sync check's, at every push.)
