@@ -323,6 +323,7 @@ class _DecidedStep:
     Trainer's `model.zero_grad()` discards the gradients)."""
 
     per_micro_accounting = False
+    context = None  # TRL's step records no execution context (replay through TRL: as before)
 
     def __init__(self, model: Any, report: StepReport, apply: Any, pending: _Pending) -> None:
         self.model, self.report, self._apply = model, report, apply
