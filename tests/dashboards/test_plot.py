@@ -91,7 +91,11 @@ def test_the_plot_reads_the_correlation_the_guard_held() -> None:
     grad = [0.01, 0.02, 0.04, 0.0, math.nan, 0.03, 0.06, math.nan, 1.0]
     outcomes = ["applied"] * 3 + ["applied", "skipped", "applied", "applied", "flushed", "flushed"]
     steps = list(range(len(valid)))
-    series = RunSeries(steps=steps, outcomes=outcomes, valid_tokens=valid, grad_norm=grad)
+    expected = [10.0] * len(valid)  # the loss mask's sum, as the guard's reports have it
+    series = RunSeries(
+        steps=steps, outcomes=outcomes, valid_tokens=valid, grad_norm=grad,
+        expected_valid_tokens=expected,
+    )  # fmt: skip
     for config in (CorrelationConfig(window=4, min_steps=3), CorrelationConfig(min_steps=5)):
         guard = GradNormVTCCorrelationGuard(config)
         for v, g in zip(valid, grad):
