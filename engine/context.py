@@ -19,9 +19,11 @@ fields, which a running process cannot change, it compares (`differences`) and n
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 from dataclasses import asdict, dataclass, fields, replace
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -124,6 +126,11 @@ class ExecutionContext:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @cached_property
+    def as_json(self) -> str:
+        """`to_dict()` as JSON, made once: the recorder stores it with every step."""
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ExecutionContext:

@@ -177,9 +177,7 @@ class FlightRecorder:
             raise ForensicsError("flight recorder: record() before start_run()")
         report = result.report.to_dict()  # a snapshot, taken on the caller's thread
         verdict = result.verdict.to_dict()
-        context = None
-        if result.context is not None:
-            context = json.dumps(result.context.to_dict(), sort_keys=True)
+        context = None if result.context is None else result.context.as_json
         self._put(_StepItem(result.batch, report, verdict, str(result.outcome), rerun, context))
 
     def note_checkpoint(self, step: int, path: str | os.PathLike) -> None:
