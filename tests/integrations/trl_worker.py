@@ -5,6 +5,7 @@ every rank writes its outcomes to rank-R.json."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,6 +30,13 @@ def main(root: Path) -> None:
     trainer.train()
     rank = trainer.accelerator.process_index
     (root / f"rank-{rank}.json").write_text(json.dumps({"outcomes": outcomes}))
+    # no rank tears gloo down while its peer still uses it, and no interpreter finalization:
+    # gloo's threads can abort it ("terminate called without an active exception", SIGABRT),
+    # as grpod's own ranks do (daemon/distributed.py: leave)
+    trainer.accelerator.wait_for_everyone()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
