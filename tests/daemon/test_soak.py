@@ -92,17 +92,21 @@ def test_a_collapsing_campaign_halts_once_with_few_episodes(tmp_path: Path) -> N
     )
     episodes = json.loads(listing.stdout)
     warned = sum(1 for e in grpod.steps() if e["verdict"] != "PASS")
-    assert warned >= 0.9 * DEAD_STEPS  # nearly every collapsed step is a WARN...
+    # the collapse is gradual: no sudden loss for `advantage`; `entropy` WARNs once its rolling
+    # mean is under the floor (step ~55), on every step until the HALT...
+    assert warned >= 0.3 * DEAD_STEPS, warned
     assert len(episodes) <= 8, [(e["guard"], e["kind"], e["step"]) for e in episodes]
     (dead,) = [e for e in episodes if e["guard"] == "dead_campaign"]  # ...in a few episodes
     assert (dead["action"], dead["step"], dead["steps"]) == ("HALT", halt_step, 1)
-    advantage = [e for e in episodes if e["guard"] == "advantage"]
-    longest = max(advantage, key=lambda e: e["steps"])  # a step or two may lack the finding
-    assert longest["steps"] >= 0.9 * DEAD_STEPS and longest["span_steps"] >= 0.9 * halt_step
+    warnings = [e for e in episodes if e["guard"] != "dead_campaign"]
+    longest = max(warnings, key=lambda e: e["steps"])  # one episode, not one incident a step
+    assert longest["steps"] >= 0.9 * warned and longest["step"] + longest["span_steps"] > halt_step
     assert all(e["status"] == "closed" for e in episodes)  # the run stopped
 
     assert len(samples) >= 10, samples
     rss = [r for _, r, _ in samples]
     assert max(rss) - rss[0] < 40, samples  # MiB: flat, not growing per step or incident
-    series = [s for _, _, s in samples]  # bounded: a guard's first finding adds its label pair
-    assert series == sorted(series) and series[-1] - series[0] <= len(episodes), samples
+    # bounded: a guard's first finding adds its label pair to grpod_findings_total (a counter:
+    # its `_total` and `_created` samples), nothing per step or per incident
+    series = [s for _, _, s in samples]
+    assert series == sorted(series) and series[-1] - series[0] <= 2 * len(episodes), samples

@@ -43,6 +43,11 @@ eval_samples = 4
 [engine.faults]
 nan_loss_steps = [{FAULT_STEP}]
 
+# `advantage` on any mostly-alike step, whatever came before: a finding of a campaign guard,
+# for the panel that shows when each fired
+[guards.advantage]
+history_fraction_max = 1.0
+
 [daemon]
 max_steps = {MAX_STEPS}
 metrics_host = "127.0.0.1"
