@@ -42,7 +42,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from grpod.daemon.exitcodes import EXIT_HALT
-from grpod.daemon.loop import _device, _versions
+from grpod.daemon.runinfo import device_name, software_versions
 from grpod.engine.report import StepReport
 from grpod.engine.step import StepResult, decide_step
 from grpod.engine.verdict import Action, Outcome
@@ -140,8 +140,8 @@ class GuardedGRPOTrainer(GRPOTrainer):
         self.grpod_sink.start(
             self.processing_class,
             trl_config(self.args),
-            _versions(),
-            _device(self.accelerator.device),
+            software_versions(),
+            device_name(self.accelerator.device),
         )
         if isinstance(resume_from_checkpoint, str):
             load_guards(self.grpod_policy, resume_from_checkpoint)
