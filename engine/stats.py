@@ -1,5 +1,8 @@
 """Per-step statistics gathered while a step accumulates, and the one function that builds
-the step's `StepReport` from them (`build_report`; a skipped step's: `skipped_report`)."""
+the step's `StepReport` from them (`build_report`; a skipped step's: `skipped_report`).
+
+The report's arithmetic that another trainer's adapter shares (grpod/integrations/trl_batch.py)
+is here once: `clip_coefficient` and `mismatch_stats`."""
 
 from __future__ import annotations
 
@@ -88,9 +91,7 @@ def build_report(batch: TransportBatch, stats: StepStats, totals: StepTotals) ->
         loss=sum(r[2] for r in totals.ranks) * scale,
         micro_losses=[x * scale for x in loss_sums],
         grad_norm=grad_norm,
-        clip_coef=min(1.0, totals.max_grad_norm / (grad_norm + 1e-6))
-        if grad_norm == grad_norm
-        else 0.0,
+        clip_coef=clip_coefficient(grad_norm, totals.max_grad_norm),
         lr=totals.lr,
         rank=totals.rank,
         world_size=totals.world_size,
@@ -186,12 +187,36 @@ def _kv_cache(batch: TransportBatch) -> KVCacheReport | None:
 
 def _mismatch(trainer: list[torch.Tensor], sampler: list[torch.Tensor]) -> dict[str, float | None]:
     """|sampler - trainer| logprob statistics over trainable tokens, from the same forward."""
-    keys = ("mean", "p90", "p99", "max", "frac_above_0_1")
     if not sampler or not trainer:
-        return {f"mismatch_{k}": None for k in keys}
-    delta = (torch.cat(sampler).cpu() - torch.cat(trainer).cpu()).abs().double()
-    if delta.numel() == 0:
-        return {f"mismatch_{k}": None for k in keys}
+        return mismatch_stats(None, None)
+    return mismatch_stats(torch.cat(sampler), torch.cat(trainer))
+
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: the coefficient the optimizer step applies
+MISMATCH_KEYS = ("mean", "p90", "p99", "max", "frac_above_0_1")
+
+
+def clip_coefficient(grad_norm: float, max_grad_norm: float) -> float:
+    """The factor clipping scales the gradients by, as `clip_grad_norm_` computes it:
+    `min(1, max_grad_norm / (grad_norm + 1e-6))`. A non-finite norm (NaN, inf) gives 0.0: the
+    step is flushed by the finite guard, and 0 never reads as "unclipped". `max_grad_norm`
+    <= 0 (clipping off, as TRL's `max_grad_norm=0`) gives 1.0 for a finite norm."""
+    if not math.isfinite(grad_norm):
+        return 0.0
+    if max_grad_norm <= 0:
+        return 1.0
+    return min(1.0, max_grad_norm / (grad_norm + CLIP_EPS))
+
+
+def mismatch_stats(
+    sampler: torch.Tensor | None, trainer: torch.Tensor | None
+) -> dict[str, float | None]:
+    """|sampler - trainer| logprob statistics (nats) over a step's trainable tokens:
+    `mismatch_{mean,p90,p99,max,frac_above_0_1}`. `sampler`, `trainer`: `[tokens]` the
+    logprobs of the same tokens; every value None without both, or without a token."""
+    if sampler is None or trainer is None or sampler.numel() == 0:
+        return {f"mismatch_{k}": None for k in MISMATCH_KEYS}
+    delta = (sampler.cpu() - trainer.cpu()).abs().double()
     q = torch.quantile(delta, torch.tensor([0.9, 0.99], dtype=torch.float64)).tolist()
     values = (delta.mean(), q[0], q[1], delta.max(), (delta > 0.1).double().mean())
-    return {f"mismatch_{k}": float(v) for k, v in zip(keys, values)}
+    return {f"mismatch_{k}": float(v) for k, v in zip(MISMATCH_KEYS, values)}
