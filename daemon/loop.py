@@ -7,10 +7,11 @@ that failed mid-run (after a checkpoint; one line on stderr), 1 a failure in the
 Resume: the latest checkpoint the store knows is restored (model, optimizer, schedule, data
 cursor, guard state); steps the store recorded after it are re-run and recorded as re-runs.
 
-The loop's jobs are components, each in its own module: a step's failure paths
-(failed_step.py), what happens to a decided step (sink.py: records, metrics, status view;
-console.py: its log line), checkpoints (checkpoints.py), held-out evaluation
-(evaluation.py), and what a run records of itself (runinfo.py).
+The loop's jobs are components, each in its own module: what a start creates (startup.py),
+a step's failure paths (failed_step.py), what happens to a decided step (sink.py: records,
+metrics, status view; console.py: its log line), checkpoints (checkpoints.py), held-out
+evaluation (evaluation.py), what a run records of itself (runinfo.py), SIGHUP's reload of
+the guards (config.py).
 """
 
 from __future__ import annotations
@@ -50,20 +51,24 @@ from grpod.daemon.metrics import (
 from grpod.daemon.notify import Notifier
 from grpod.daemon.progress import Progress, wanted
 from grpod.daemon.retention import Retention
-from grpod.daemon.rundir import Plan, link_latest
+from grpod.daemon.rundir import Plan
 from grpod.daemon.runinfo import device_name, software_versions
 from grpod.daemon.signals import AbandonStep, Signals
 from grpod.daemon.sink import NoRecorder, Recorder, StepSink
+from grpod.daemon.startup import open_run_dir, start_sampler
 from grpod.daemon.status_view import StatusView
 from grpod.engine import Engine
 from grpod.engine.config import VLLM_BACKENDS
 from grpod.engine.eval import Evaluator
 from grpod.engine.verdict import Action
-from grpod.forensics.recorder import FlightRecorder
 from grpod.guards import GuardPolicy
 
 
 class Daemon:
+    """One `grpod run` process: `Daemon(resolve_plan(config, run_dir, {})).run()` -> exit code.
+    Every rank under torchrun runs one; rank 0 owns the run dir, the store and the step metrics.
+    """
+
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.config: GrpodConfig = plan.config
@@ -157,10 +162,10 @@ class Daemon:
             logs.forward_library_logs(self.log, logs.VLLM_LOGGERS, cfg.daemon.log_level)
         self.engine = Engine(cfg.engine)  # before the run dir: a bad engine config creates nothing
         if cfg.engine.rollout_backend in VLLM_BACKENDS:  # before the run dir, as the engine
-            self._start_sampler()
+            start_sampler(self.engine, cfg.engine, self.notifier, self.log)
         evaluator = Evaluator(self.engine) if cfg.engine.eval_every else None
         self.policy = GuardPolicy(cfg.guards)
-        self.recorder = self._open_run_dir()
+        self.recorder = open_run_dir(plan, self.log) if self.rank == 0 else NoRecorder()
         distributed.barrier()
         self._start_services(evaluator)
         restored, self.sink.rerun_through = self.checkpoints.restore()
@@ -184,23 +189,6 @@ class Daemon:
         self.health.beat()
         self.status.write("running")
         self.notifier.ready(self.status.line())
-
-    def _open_run_dir(self) -> Recorder:
-        """Rank 0 (under torchrun it owns the run dir and the store): create the run dir or
-        clean a resumed one, and open its flight recorder. Other ranks: a `NoRecorder`."""
-        plan = self.plan
-        if self.rank != 0:
-            return NoRecorder()
-        if not plan.resume:
-            plan.run_dir.create(plan.run_id, self.config)
-            if plan.link_latest is not None:
-                link_latest(plan.link_latest, plan.run_dir.path)
-        else:
-            for name in plan.run_dir.remove_stale_temporaries():
-                self.log.warning("removed a half-written checkpoint", path=name)
-        recorder = FlightRecorder(plan.run_dir.path, self.config.forensics)
-        recorder.store.lock_run_dir()  # PostgreSQL: one writer per run dir across hosts
-        return recorder
 
     def _start_services(self, evaluator: Evaluator | None) -> None:
         """The metrics, the step sink, checkpoints and evaluation. Rank 0: the step's
@@ -244,22 +232,6 @@ class Daemon:
                 temperature=cfg.engine.eval_temperature,
                 on_error=cfg.engine.eval_on_error,
             )
-
-    def _start_sampler(self) -> None:
-        """vLLM up before READY and the run dir (what it refuses creates nothing): colocated,
-        or grpod's own server (or the named one answering)."""
-        self.notifier.extend_timeout(self.config.engine.vllm_server_start_timeout_seconds)
-        self.notifier.status("starting vLLM")
-        started = time.perf_counter()
-        self.engine.start_sampler()
-        client, process = (getattr(self.engine.vllm, k, None) for k in ("client", "process"))
-        self.log.info(
-            "rollout server" if client is not None else "vllm started",
-            url=client.url if client is not None else None,
-            pid=process.pid if process is not None else None,
-            started=process is not None,
-            seconds=round(time.perf_counter() - started, 3),
-        )
 
     def _loop(self) -> int:
         max_steps = self.config.daemon.max_steps
