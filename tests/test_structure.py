@@ -3,7 +3,9 @@
 - no import cycle among the `grpod.*` modules, counting every import a reader follows
   (module level, `TYPE_CHECKING` and function-level ones; a lazily exported package name
   counts as its defining module);
-- only `forensics/` (and its tests) imports SQLAlchemy: everyone else asks `Store`.
+- only `forensics/` (and its tests) imports SQLAlchemy: everyone else asks `Store`;
+- no private name (`_name`) is imported across a package boundary;
+- no file of `daemon/` (its subpackages included) is over 400 lines.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".venv", "var", "build", "dist", "node_modules", "__pycache__"}
 SQL_PACKAGES = {"sqlalchemy", "alembic"}  # alembic is SQLAlchemy's migrations: forensics' too
 SQL_ALLOWED = ("forensics", "tests/forensics")  # directories, relative to the root
+DAEMON_MAX_LINES = 400  # STYLE.md: a file is a room a reader can hold
 
 
 def package_dirs() -> dict[str, Path]:
@@ -197,3 +200,42 @@ def test_only_forensics_imports_sqlalchemy() -> None:
 def test_the_sqlalchemy_walk_sees_a_function_level_import(tmp_path: Path) -> None:
     tree = ast.parse("def f():\n    from sqlalchemy.orm import Session\n    import alembic\n")
     assert [b for b, _ in imported_names(tree, "", False)] == ["sqlalchemy.orm", "alembic"]
+
+
+def boundary(module: str, modules: dict[str, Path]) -> str:
+    """The package a module belongs to for privacy: `grpod.<sub>` when that is a package
+    (`grpod.daemon.commands.run` -> `grpod.daemon`), else `grpod` (`grpod.fileio`)."""
+    parts = module.split(".")
+    top = ".".join(parts[:2])
+    path = modules.get(top)
+    return top if path is not None and path.name == "__init__.py" else parts[0]
+
+
+def test_no_private_name_crosses_a_package() -> None:
+    modules = project_modules()
+    offenders = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for base, attr in imported_names(tree, name, path.name == "__init__.py"):
+            private = attr.startswith("_") and not attr.startswith("__")
+            if private and base in modules and boundary(base, modules) != boundary(name, modules):
+                offenders.append(f"{name}: from {base} import {attr}")
+    assert offenders == []
+
+
+def test_the_privacy_walk_sees_the_boundaries() -> None:
+    modules = project_modules()
+    assert boundary("grpod.daemon.commands.run", modules) == "grpod.daemon"
+    assert boundary("grpod.integrations.trl_sink", modules) == "grpod.integrations"
+    assert boundary("grpod.fileio", modules) == "grpod"
+
+
+def test_no_daemon_file_is_over_400_lines() -> None:
+    """`daemon/` grew a 667-line loop once: its jobs are modules now, and stay so."""
+    daemon = package_dirs()["grpod.daemon"]
+    sizes = {
+        p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines())
+        for p in daemon.rglob("*.py")
+    }
+    assert {path: n for path, n in sizes.items() if n > DAEMON_MAX_LINES} == {}
+    assert "daemon/loop.py" in sizes  # the walk sees the package
