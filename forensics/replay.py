@@ -90,6 +90,8 @@ class ReplayResult:
 
 @dataclass
 class PlannedStep:
+    """One recorded step of a replay's plan (`replay_plan`), loaded and verified."""
+
     row: Step
     report: StepReport
     batch: TransportBatch
