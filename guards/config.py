@@ -106,14 +106,25 @@ class SpikeConfig(_Section):
     action: ActionName = "WARN"
 
 
+# `history_fraction_max` lies between W4 (healthy, 8 groups: 26 of 100 steps had every group
+# alike, each after a mean of >= 0.80 over the previous 8 steps) and the equal-rewards drill
+# (W1c, 16 groups, seeds 0-2: its 15 injected steps came after a mean of <= 0.54, the first
+# ones after the tiny model's early steps).
 class AdvantageConfig(_Section):
-    """No learning signal: most groups with equal rewards, or every advantage 0."""
+    """Signal lost: most groups alike after steps with signal, or all advantages 0 anyway."""
 
     zero_std_fraction_max: float = Field(0.9, ge=0.0, le=1.0)
+    history_steps: int = Field(8, ge=1, description="the steps whose mean fraction is compared")
+    history_fraction_max: float = Field(
+        0.65,
+        ge=0.0,
+        le=1.0,
+        description="warn only when the previous steps' mean zero-std fraction was at most this",
+    )
     action: ActionName = "WARN"
     all_zero_action: ActionName = Field(
         "WARN",
-        description="every advantage 0: an applied step still moves AdamW's moments and weights",
+        description="every advantage 0 although some group's rewards varied",
     )
 
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.daemon.helpers import GRPOD, free_port, tiny_config
 
 HONEST = """
@@ -26,6 +28,7 @@ def score(prompt: str, completion: str, answer: str) -> float:
 """
 
 
+@pytest.mark.slow  # a daemon run
 def test_replay_never_imports_the_runs_reward_modules(tmp_path: Path) -> None:
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
     work.mkdir()

@@ -57,6 +57,7 @@ def test_a_password_in_the_store_url_is_refused(tmp_path: Path) -> None:
     assert "hunter2" not in fsck.stderr + fsck.stdout
 
 
+@pytest.mark.slow  # a daemon run
 def test_a_run_under_umask_000_leaves_nothing_for_other_users(tmp_path: Path) -> None:
     config = tiny_config(tmp_path / "grpod.toml", free_port())
     run_dir = tmp_path / "run"

@@ -2,7 +2,9 @@
 
 import math
 
-from grpod.guards import Action
+import pytest
+
+from grpod.guards import Action, GuardsError
 from grpod.guards.advantage import AdvantageGuard
 from grpod.guards.clip import ClipGuard
 from grpod.guards.config import AdvantageConfig, ClipConfig, SamplerMismatchConfig
@@ -11,21 +13,63 @@ from tests.guards.helpers import batch, report
 
 
 def test_advantage_zero_std_fraction_boundary() -> None:
+    assert (
+        AdvantageGuard(AdvantageConfig()).after(batch(), report(zero_std_group_fraction=0.9)) == []
+    )  # at: passes
     guard = AdvantageGuard(AdvantageConfig())
-    assert guard.after(batch(), report(zero_std_group_fraction=0.9)) == []  # at: passes
+    assert guard.after(batch(), report(zero_std_group_fraction=0.65)) == []
     (finding,) = guard.after(batch(), report(zero_std_group_fraction=0.9375))
     assert finding.action is Action.WARN and finding.evidence["zero_std_group_fraction"] == 0.9375
+    assert finding.evidence["history_mean"] == 0.65  # the one step before, at its limit: warns
 
 
-def test_advantage_all_zero_warns_and_padding_does_not_count() -> None:
+def test_advantage_sudden_loss_warns_a_solved_campaign_does_not() -> None:
+    """W4's shape: a campaign solving its prompts reaches batches where every group is alike
+    after steps that were mostly alike already; the equal-rewards drill's after steps with
+    signal."""
+    learning = AdvantageGuard(AdvantageConfig())
+    for fraction in (0.25, 0.5, 0.38, 0.62, 0.25, 0.5, 0.62, 0.5):  # mean 0.45
+        assert learning.after(batch(), report(zero_std_group_fraction=fraction)) == []
+    (finding,) = learning.after(batch(), report(zero_std_group_fraction=1.0))
+    assert finding.kind == "zero_std_groups" and finding.evidence["history_mean"] == 0.4525
+    assert "lost its signal" in finding.message
+
+    solved = AdvantageGuard(AdvantageConfig())
+    for fraction in (0.75, 0.88, 0.88, 1.0, 0.75, 0.88, 0.75, 0.88) * 3:  # W4 steps 46-53
+        assert solved.after(batch(), report(zero_std_group_fraction=fraction)) == []
+    assert solved.after(batch(advantages=0.0), report(zero_std_group_fraction=1.0)) == []
+
+    # the threshold sits between the two (config: W4 >= 0.80, the drill <= 0.54)
+    edge = AdvantageGuard(AdvantageConfig(history_fraction_max=0.45))
+    for fraction in (0.25, 0.5, 0.38, 0.62, 0.25, 0.5, 0.62, 0.5):
+        edge.after(batch(), report(zero_std_group_fraction=fraction))
+    assert edge.after(batch(), report(zero_std_group_fraction=1.0)) == []
+
+
+def test_advantage_history_survives_a_checkpoint_and_an_older_one_starts_afresh() -> None:
+    guard = AdvantageGuard(AdvantageConfig())
+    for fraction in (0.9, 0.9, 0.9):
+        guard.after(batch(), report(zero_std_group_fraction=fraction))
+    again = AdvantageGuard(AdvantageConfig())
+    again.load_state_dict(guard.state_dict())
+    assert again.after(batch(), report(zero_std_group_fraction=1.0)) == []
+    older = AdvantageGuard(AdvantageConfig())
+    older.load_state_dict({})  # a checkpoint from before the history was kept
+    assert len(older.after(batch(), report(zero_std_group_fraction=1.0))) == 1
+    with pytest.raises(GuardsError, match=r"advantage.*zero_std"):
+        older.load_state_dict({"zero_std": ["x"]})
+
+
+def test_advantage_all_zero_warns_only_when_rewards_varied() -> None:
     guard = AdvantageGuard(AdvantageConfig())
     (finding,) = guard.after(batch(advantages=0.0), report())
-    assert "no learning signal" in finding.message
+    assert "advantages were lost" in finding.message and finding.kind == "all_zero"
     b = batch(advantages=0.0)
     b.advantages[0, 0, 1] = 1e-6  # one trainable token with signal
     assert guard.after(b, report()) == []
-    both = guard.after(batch(advantages=0.0), report(zero_std_group_fraction=1.0))
-    assert len(both) == 2
+    # every group alike: all-zero advantages are what the rewards say, one finding, not two
+    (only,) = guard.after(batch(advantages=0.0), report(zero_std_group_fraction=1.0))
+    assert only.kind == "zero_std_groups"
 
 
 def test_advantage_signal_counts_only_on_trainable_tokens() -> None:

@@ -18,6 +18,8 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = os.path.dirname(__file__)
     mine = [item for item in items if str(item.path).startswith(here)]
+    for item in mine:  # a real vLLM engine or server: the slow tier, whatever else they start
+        item.add_marker(pytest.mark.slow)
     if HAVE_VLLM or not mine:
         return
     if os.environ.get("GRPOD_REQUIRE_VLLM") == "1":
