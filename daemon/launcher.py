@@ -294,7 +294,7 @@ def launch(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
     except Exception as exc:  # the rendezvous (a node that never came): not the input's
-        from grpod.oneline import one_line
+        from grpod.base.oneline import one_line
 
         print(f"grpod run: error: launcher: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILURE

@@ -24,7 +24,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from torch.distributed.checkpoint.stateful import Stateful
 
-from grpod import torchrun
+from grpod.base import torchrun
+from grpod.base.oneline import one_line
 from grpod.daemon import distributed, logs
 from grpod.daemon.config import GrpodConfig, load_config
 from grpod.daemon.errors import BAD_INPUT_ERRORS, ConfigError
@@ -58,7 +59,6 @@ from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.forensics.recorder import FlightRecorder
 from grpod.forensics.resume import choose_checkpoint
 from grpod.guards import GuardPolicy
-from grpod.oneline import one_line
 
 STATUS_INTERVAL_SECONDS = 1.0  # status.json and STATUS= at most this often while running
 

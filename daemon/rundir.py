@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpod.base.fileio import atomic_dir, private_umask, write_atomic
 from grpod.daemon.config import DEFAULT_ROOT, GrpodConfig, load_config, validate
 from grpod.daemon.errors import ConfigError
 from grpod.daemon.example import dump_toml
 from grpod.daemon.lock import RunDirLock
 from grpod.engine.errors import EngineError
 from grpod.engine.inputs import absolute, check_inputs, input_digests
-from grpod.fileio import atomic_dir, private_umask, write_atomic
 
 CONFIG_NAME = "config.toml"
 RUN_NAME = "run.json"

@@ -1,11 +1,11 @@
 """The GRPO engine. Knows nothing of guards, metrics or stores.
 
-Public names are imported on first use (grpod/lazy.py): `engine.config` and
+Public names are imported on first use (grpod/base/lazy.py): `engine.config` and
 `engine.errors` load without torch. A decided step is a `StepResult` from `decide_step`
 (grpod/engine/step.py); its vocabulary (`Action`, `Verdict`, `Outcome`) is grpod/engine/verdict.py.
 """
 
-from grpod.lazy import lazy_exports
+from grpod.base.lazy import lazy_exports
 
 __all__ = [
     "Action",

@@ -18,10 +18,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from grpod.base.fileio import atomic_file
 from grpod.engine.errors import EngineError
 from grpod.engine.kvcache import CacheStats, KVCacheSpec
 from grpod.engine.weight_sync import WeightSyncCheck
-from grpod.fileio import atomic_file
 
 TOKEN_FIELDS: dict[str, torch.dtype] = {
     "input_ids": torch.int64,

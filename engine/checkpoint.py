@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.stateful import Stateful
 
+from grpod.base.fileio import atomic_dir
+from grpod.base.oneline import one_line
 from grpod.engine.errors import EngineError
-from grpod.fileio import atomic_dir
-from grpod.oneline import one_line
 
 FORMAT = "grpod.checkpoint/2"
 TENSOR = "__tensor__"  # {"__tensor__": "file.safetensors:key"}: a tensor in a file

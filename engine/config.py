@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from grpod import torchrun
+from grpod.base import torchrun
 from grpod.engine.errors import EngineError
 from grpod.engine.kvcache import KVCacheSpec, default_sinks
 

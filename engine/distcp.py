@@ -7,7 +7,7 @@ or DDP) writes one DCP directory collectively. There, the keys an object names i
 its shards (DDP's replicated tensors: written once, by DCP's de-duplication); everything
 else of every object is rank-local (data cursor, schedule, the guard windows of
 `GuardPolicy.state_dict`) and goes to `rank-R/` in checkpoint.py's format. Rank 0
-builds the directory beside its final name (`grpod.fileio.atomic_dir`) and renames it once
+builds the directory beside its final name (`grpod.base.fileio.atomic_dir`) and renames it once
 every rank is done, so a reader sees a complete checkpoint or none (a killed job leaves a
 `.step-N.tmp-<pid>` directory, which start-up removes).
 
@@ -27,11 +27,11 @@ from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
 
+from grpod.base.fileio import atomic_dir
+from grpod.base.oneline import one_line
 from grpod.engine.checkpoint import checkpoint_problems, load_checkpoint, save_checkpoint
 from grpod.engine.errors import EngineError
 from grpod.engine.parallel import Parallel
-from grpod.fileio import atomic_dir
-from grpod.oneline import one_line
 
 FORMAT = "grpod.dcp_checkpoint/2"
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from grpod.base.fileio import atomic_dir
+from grpod.base.oneline import one_line
 from grpod.engine import distcp
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
@@ -22,8 +24,6 @@ from grpod.engine.inputs import BUILTIN_MODEL
 from grpod.engine.lora import apply_lora
 from grpod.engine.model import load_policy
 from grpod.engine.tasks import task_chars
-from grpod.fileio import atomic_dir
-from grpod.oneline import one_line
 
 
 def export_pretrained(

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from grpod.base.oneline import one_line
 from grpod.engine.config import LoraConfig
 from grpod.engine.errors import EngineError
-from grpod.oneline import one_line
 
 
 def apply_lora(model: torch.nn.Module, settings: LoraConfig, seed: int) -> Any:

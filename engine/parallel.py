@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from grpod import collectives, torchrun
+from grpod.base import collectives, torchrun
 from grpod.engine.config import check_parallel
 from grpod.engine.trunk import hf_states, trunk_hidden
 

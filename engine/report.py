@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from grpod.jsonsafe import from_json, to_json
+from grpod.base.jsonsafe import from_json, to_json
 
 
 @dataclass

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from grpod.base.oneline import one_line
 from grpod.engine.errors import RewardError
-from grpod.oneline import one_line
 
 
 class NonFinite(enum.Enum):

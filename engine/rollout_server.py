@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from grpod.base.fileio import atomic_dir
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError, SamplerError
 from grpod.engine.rollout_vllm import CPU_KV_CACHE_BYTES, ServedModel, to_rollout, weights_to_push
@@ -56,7 +57,6 @@ from grpod.engine.vllm_server import (
     short_json,
 )
 from grpod.engine.weight_sync import CONTINUATION_TOKENS, ProbeScores, PushFaults
-from grpod.fileio import atomic_dir
 
 SERVED_NAME = "grpod-policy"  # the model's name in requests (its path changes with every push)
 MAX_REQUESTS_IN_FLIGHT = 64

@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
+from grpod.base.oneline import one_line
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
 from grpod.engine.torch_sampler import Rollout
 from grpod.engine.vllm_limits import CPU_KV_CACHE_BYTES, served_lengths
 from grpod.engine.weight_sync import CONTINUATION_TOKENS, ProbeScores, PushFaults
-from grpod.oneline import one_line
 
 
 class ServedModel:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from grpod.base.oneline import one_line
 from grpod.engine.errors import EngineError
-from grpod.oneline import one_line
 
 PAD, BOS, EOS = 0, 1, 2
 SPECIALS = ("<pad>", "<bos>", "<eos>")

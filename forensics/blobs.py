@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save
 
-from grpod.fileio import fsync
+from grpod.base.fileio import fsync
 from grpod.forensics.errors import ForensicsError
 
 BLOB_DIR = Path("blobs") / "sha256"

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from grpod.base.jsonsafe import from_json, to_json
 from grpod.engine import (
     ChunkTrace,
     Engine,
@@ -53,7 +54,6 @@ from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Step
 from grpod.forensics.ranks import RankRecord
 from grpod.forensics.store import Store
-from grpod.jsonsafe import from_json, to_json
 
 COMPARED = ("valid_tokens", "loss", "grad_norm")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from grpod import collectives
+from grpod.base import collectives
 from grpod.engine import StepReport, TransportBatch
 from grpod.engine.parallel import local
 from grpod.guards.accounting import AccountingGuard

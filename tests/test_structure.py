@@ -158,7 +158,7 @@ def test_the_walk_sees_the_layering() -> None:
     assert "grpod.engine.step" in graph["grpod.guards.drills"]  # TYPE_CHECKING
     assert "grpod.engine.trainer" in graph["grpod.daemon.loop"]  # `from grpod.engine import Engine`
     assert "grpod.forensics.store" in graph["grpod.daemon.commands.status"]  # in a function
-    assert "grpod.fileio" in graph["grpod.engine.batch"]
+    assert "grpod.base.fileio" in graph["grpod.engine.batch"]
     # two front ends run a training process: the daemon, and grpod.integrations (another
     # trainer's loop under grpod's guards, which uses the daemon's metrics, run dir and health
     # server); nothing else imports either, and only the CLI's replay reaches integrations

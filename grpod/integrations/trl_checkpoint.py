@@ -15,8 +15,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from grpod.base.fileio import write_atomic
 from grpod.engine.checkpoint import FORMAT, TENSOR
-from grpod.fileio import write_atomic
 from grpod.guards.policy import GuardPolicy
 
 GUARDS_FILE = "grpod_guards.json"

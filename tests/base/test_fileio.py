@@ -1,4 +1,4 @@
-"""`grpod.fileio`: a write that fails leaves the old content and no temporary behind."""
+"""`grpod.base.fileio`: a write that fails leaves the old content and no temporary behind."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from grpod.fileio import atomic_dir, atomic_file, private_umask, write_atomic
+from grpod.base.fileio import atomic_dir, atomic_file, private_umask, write_atomic
 
 
 def test_a_failed_file_write_keeps_the_old_content(tmp_path: Path) -> None:

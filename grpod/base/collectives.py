@@ -4,7 +4,7 @@ The guards' verdicts and skips, the daemon's agreed stop and the engine's count 
 passes are each one small integer reduced with MAX, so that no rank takes a branch a peer
 does not (a collective one rank skips hangs the others). Outside an initialised
 torch.distributed process group each value is its own: rank 0 of a one-process job. The
-rank a launcher announced before any group exists is `grpod.torchrun`'s.
+rank a launcher announced before any group exists is `grpod.base.torchrun`'s.
 """
 
 from __future__ import annotations

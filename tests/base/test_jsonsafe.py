@@ -1,4 +1,4 @@
-"""`grpod.jsonsafe`: non-finite numbers survive JSON as strings, and come back as floats."""
+"""`grpod.base.jsonsafe`: non-finite numbers survive JSON as strings, and come back as floats."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from grpod.jsonsafe import dumps, from_json, to_json
+from grpod.base.jsonsafe import dumps, from_json, to_json
 
 
 @dataclass

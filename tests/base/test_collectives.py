@@ -1,4 +1,4 @@
-"""grpod.collectives: the max all-reduce, outside a process group and in a one-rank gloo one
+"""grpod.base.collectives: the max all-reduce, outside a process group and in a one-rank gloo one
 (two ranks: tests/guards/test_distributed.py, tests/engine/test_parallel.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpod import collectives
+from grpod.base import collectives
 
 
 def test_outside_a_group_each_value_is_its_own() -> None:
