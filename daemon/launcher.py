@@ -224,7 +224,7 @@ def precheck(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
     the config, the run dir (a live run holding it too) and `preflight` over the job's world."""
     from grpod.daemon.lock import RunDirLock
     from grpod.daemon.rundir import resolve_plan
-    from grpod.engine.preflight import preflight
+    from grpod.engine.grpo.preflight import preflight
 
     plan = resolve_plan(args.config, args.run_dir, overrides)
     if plan.resume:

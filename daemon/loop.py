@@ -48,13 +48,14 @@ from grpod.daemon.progress import Progress, wanted
 from grpod.daemon.retention import Retention
 from grpod.daemon.rundir import Plan, link_latest
 from grpod.daemon.signals import AbandonStep, Signals
-from grpod.engine import Engine, distcp
+from grpod.engine import Engine
 from grpod.engine.batch import TransportBatch
 from grpod.engine.config import VLLM_BACKENDS
 from grpod.engine.errors import RewardError, SamplerError
-from grpod.engine.eval import Evaluator
-from grpod.engine.samples import decode_samples
-from grpod.engine.step import StepResult, decide_step
+from grpod.engine.grpo.eval import Evaluator
+from grpod.engine.grpo.samples import decode_samples
+from grpod.engine.grpo.step import StepResult, decide_step
+from grpod.engine.state import distcp
 from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.forensics.recorder import FlightRecorder
 from grpod.forensics.resume import choose_checkpoint
@@ -457,7 +458,7 @@ class Daemon:
         return {"engine": self.engine, "guards": self.policy}
 
     def _evaluate(self) -> None:
-        """Held-out evaluation of the policy as it stands (engine/eval.py): stored, published
+        """Held-out evaluation of the policy as it stands (engine/grpo/eval.py): stored, published
         and logged; the policy, the data cursor and the next batch are untouched."""
         try:
             result = self.evaluator.run()

@@ -2,7 +2,7 @@
 
 Public names are imported on first use (grpod/base/lazy.py): `engine.config` and
 `engine.errors` load without torch. A decided step is a `StepResult` from `decide_step`
-(grpod/engine/step.py); its vocabulary (`Action`, `Verdict`, `Outcome`) is grpod/engine/verdict.py.
+(engine/grpo/step.py); its vocabulary (`Action`, `Verdict`, `Outcome`) is engine/verdict.py.
 """
 
 from grpod.base.lazy import lazy_exports
@@ -26,15 +26,15 @@ __getattr__ = lazy_exports(
     {
         "Action": "grpod.engine.verdict",
         "ChunkTrace": "grpod.engine.report",
-        "Engine": "grpod.engine.trainer",
+        "Engine": "grpod.engine.grpo.trainer",
         "EngineConfig": "grpod.engine.config",
         "EngineError": "grpod.engine.errors",
         "Finding": "grpod.engine.verdict",
         "Outcome": "grpod.engine.verdict",
         "StepReport": "grpod.engine.report",
-        "StepResult": "grpod.engine.step",
+        "StepResult": "grpod.engine.grpo.step",
         "TransportBatch": "grpod.engine.batch",
         "Verdict": "grpod.engine.verdict",
-        "decide_step": "grpod.engine.step",
+        "decide_step": "grpod.engine.grpo.step",
     },
 )

@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from grpod.engine.config import FaultsConfig
-from grpod.engine.parallel import local
+from grpod.engine.model.parallel import local
 from grpod.engine.weight_sync import PushFaults
 
 SENTINEL_LOGPROB = -9999.0  # what some backends write for a missing sampler logprob
@@ -96,7 +96,7 @@ class Faults:
 
     def early_rollout(self, step: int) -> bool:
         """stale-rollout: step `step`'s rollout is launched one step before the
-        max_staleness window reaches it (engine/ahead.py), so it arrives a version too old."""
+        max_staleness window reaches it (engine/rollout/ahead.py): it arrives a version too old."""
         return step in self._steps["stale-rollout"]
 
     def grads(self, step: int, grads: list[torch.Tensor]) -> None:

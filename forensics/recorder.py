@@ -42,7 +42,7 @@ from grpod.forensics.ranks import rank_columns
 from grpod.forensics.store import Store
 
 if TYPE_CHECKING:  # engine.step imports the Engine (torch, transformers): types only here
-    from grpod.engine.step import StepResult
+    from grpod.engine.grpo.step import StepResult
 
 WRITER_NICE = 10  # the writer thread's niceness (a lower priority than the trainer's)
 HOLD_BYTES = 64 * 1024**2  # batch bytes a commit group may hold in memory before staging them

@@ -41,11 +41,11 @@ from grpod.engine import (
     EngineError,
     StepReport,
     TransportBatch,
-    distcp,
 )
 from grpod.engine.context import ExecutionContext
-from grpod.engine.inputs import without_reward_code
-from grpod.engine.step import decide_step
+from grpod.engine.data.inputs import without_reward_code
+from grpod.engine.grpo.step import decide_step
+from grpod.engine.state import distcp
 from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.compare import REPLAY_RTOL, bit_equal, close, topology

@@ -155,8 +155,10 @@ def test_the_walk_sees_the_layering() -> None:
     """The graph is read right: real edges (module-level, lazy-export and function-level) are
     there, and nothing imports the daemon."""
     graph = import_graph()
-    assert "grpod.engine.step" in graph["grpod.guards.drills"]  # TYPE_CHECKING
-    assert "grpod.engine.trainer" in graph["grpod.daemon.loop"]  # `from grpod.engine import Engine`
+    assert "grpod.engine.grpo.step" in graph["grpod.guards.drills"]  # TYPE_CHECKING
+    assert (
+        "grpod.engine.grpo.trainer" in graph["grpod.daemon.loop"]
+    )  # `from grpod.engine import Engine`
     assert "grpod.forensics.store" in graph["grpod.daemon.commands.status"]  # in a function
     assert "grpod.base.fileio" in graph["grpod.engine.batch"]
     # two front ends run a training process: the daemon, and grpod.integrations (another

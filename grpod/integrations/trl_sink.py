@@ -24,7 +24,7 @@ from grpod.daemon.health import Health, HealthServer
 from grpod.daemon.loop import STATUS_INTERVAL_SECONDS, _verdict_text
 from grpod.daemon.metrics import Metrics, RankMetrics
 from grpod.daemon.rundir import RunDir, new_run_id
-from grpod.engine.step import StepResult
+from grpod.engine.grpo.step import StepResult
 from grpod.engine.verdict import Action
 from grpod.forensics.config import ForensicsConfig
 from grpod.forensics.recorder import FlightRecorder

@@ -1,5 +1,5 @@
 """grpod.base.collectives: the max all-reduce, outside a process group and in a one-rank gloo one
-(two ranks: tests/guards/test_distributed.py, tests/engine/test_parallel.py)."""
+(two ranks: tests/guards/test_distributed.py, tests/engine/model/test_parallel.py)."""
 
 from __future__ import annotations
 

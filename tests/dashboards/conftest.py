@@ -27,7 +27,7 @@ MAX_STEPS = 6
 FAULT_STEP = 3
 EVAL_EVERY = 2
 # copy's own reward (weight 1: the rewards are the task's) and a second one shown beside it
-REWARDS = ("grpod.engine.tasks:first_token_reward", "tests.guards.rewards:digit_first")
+REWARDS = ("grpod.engine.data.tasks:first_token_reward", "tests.guards.rewards:digit_first")
 TINY_CONFIG = f"""
 [engine]
 task = "copy"

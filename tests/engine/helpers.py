@@ -7,7 +7,7 @@ import os
 import torch
 
 from grpod.engine import EngineConfig, TransportBatch
-from grpod.engine.packing import Sample, pack
+from grpod.engine.data.packing import Sample, pack
 
 TINY = dict(prompts_per_step=4, group_size=4, task="copy", micro_batch_rows=2, seq_len=32)
 W2 = dict(
