@@ -70,9 +70,11 @@ test-fast: venv
 test-vllm: venv venv-vllm promtool
 	PATH=$(CURDIR)/$(TOOLS):$$PATH GRPOD_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm --durations=5
 
+# ruff, then the layering contract (pyproject.toml [tool.importlinter]; docs/ARCHITECTURE.md)
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python scripts/lint_imports.py
 
 fmt: venv
 	$(BIN)/ruff format .

@@ -1,7 +1,7 @@
 """What both sides of a W1/W1c comparison share: model, tokenizer, prompts, reward, settings.
 
-grpod and TRL get the identical random-init Qwen2 (`engine.model.build_tiny_qwen2`, torch
-seed 0, tied embeddings), the same 512 prompts (`engine.tasks`), the same character vocab
+grpod and TRL get the identical random-init Qwen2 (`engine.model.policy.build_tiny_qwen2`, torch
+seed 0, tied embeddings), the same 512 prompts (`engine.data.tasks`), the same character vocab
 and the same reward rule. Each side runs in its own spawned process (separate peak RSS and
 thread pool) and steps only when the parent says "go", so the two sides interleave step by
 step and never compete for the two cores (see `run_interleaved`).

@@ -458,7 +458,7 @@ class Daemon:
         return {"engine": self.engine, "guards": self.policy}
 
     def _evaluate(self) -> None:
-        """Held-out evaluation of the policy as it stands (engine/grpo/eval.py): stored, published
+        """Held-out evaluation of the policy as it stands (engine/eval.py): stored, published
         and logged; the policy, the data cursor and the next batch are untouched."""
         try:
             result = self.evaluator.run()

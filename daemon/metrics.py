@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # engine.step imports the Engine (torch): a type here, not an
     from grpod.engine.grpo.step import StepResult
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8)  # max_staleness is at most 8 (engine config)
-DROP_REASONS = ("stale",)  # engine/rollout/ahead.py
+DROP_REASONS = ("stale",)  # engine/ahead.py
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # gauge name -> StepReport field (None in the report -> NaN on the gauge)
@@ -169,7 +169,7 @@ class Metrics(_Labelled):
             buckets=PHASE_BUCKETS,
             registry=registry,
         )
-        # async steps (engine/rollout/ahead.py); an on-policy step's staleness is 0
+        # async steps (engine/ahead.py); an on-policy step's staleness is 0
         self.rollout_staleness = Histogram(
             "grpod_rollout_staleness_steps",
             "Weight versions between the policy that sampled a trained batch and the policy "

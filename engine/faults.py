@@ -11,8 +11,8 @@ import warnings
 
 import torch
 
+from grpod.base.collectives import local
 from grpod.engine.config import FaultsConfig
-from grpod.engine.model.parallel import local
 from grpod.engine.weight_sync import PushFaults
 
 SENTINEL_LOGPROB = -9999.0  # what some backends write for a missing sampler logprob

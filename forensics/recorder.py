@@ -41,7 +41,7 @@ from grpod.forensics.models import Blob, Checkpoint, Eval, Run, Step, StepRank
 from grpod.forensics.ranks import rank_columns
 from grpod.forensics.store import Store
 
-if TYPE_CHECKING:  # engine.step imports the Engine (torch, transformers): types only here
+if TYPE_CHECKING:  # engine.grpo.step imports the Engine (torch, transformers): types only here
     from grpod.engine.grpo.step import StepResult
 
 WRITER_NICE = 10  # the writer thread's niceness (a lower priority than the trainer's)

@@ -114,7 +114,7 @@ def replay(
     store = Store(run_dir, store_url, create=False)
     try:
         store.check_schema()
-        config, versions, checkpoint, plan = _plan(store, step, incident_id)
+        config, versions, checkpoint, plan = replay_plan(store, step, incident_id)
         recorded_rank = None if rank is None else _rank_of(plan[-1], rank)
         process = ExecutionContext.capture()  # set again when the replay ends
         engine = _restore(store, config, checkpoint)
@@ -192,7 +192,7 @@ def replay(
     )
 
 
-def _plan(
+def replay_plan(
     store: Store, step: int | None, incident_id: int | None
 ) -> tuple[dict[str, Any], dict[str, str], Checkpoint, list[_Planned]]:
     """The run's config and software versions, the checkpoint, and every step from it to

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from grpod.base import collectives
+from grpod.base.collectives import local
 from grpod.engine import StepReport, TransportBatch
-from grpod.engine.model.parallel import local
 from grpod.guards.accounting import AccountingGuard
 from grpod.guards.advantage import AdvantageGuard
 from grpod.guards.base import Guard

@@ -199,3 +199,86 @@ def test_only_forensics_imports_sqlalchemy() -> None:
 def test_the_sqlalchemy_walk_sees_a_function_level_import(tmp_path: Path) -> None:
     tree = ast.parse("def f():\n    from sqlalchemy.orm import Session\n    import alembic\n")
     assert [b for b, _ in imported_names(tree, "", False)] == ["sqlalchemy.orm", "alembic"]
+
+
+# Private names the StepSink split (branch `sink`) takes out of daemon/loop.py's reach;
+# nothing may join them.
+PENDING_PRIVATE = {
+    "grpod/integrations/trl.py: grpod.daemon.loop._device",
+    "grpod/integrations/trl.py: grpod.daemon.loop._versions",
+    "grpod/integrations/trl_sink.py: grpod.daemon.loop._verdict_text",
+}
+
+
+def module_package(name: str, modules: dict[str, Path]) -> str:
+    """The package a project module belongs to (a package `__init__` is its own)."""
+    return name if modules[name].name == "__init__.py" else name.rpartition(".")[0]
+
+
+def crossings_in(tree: ast.AST, where: str, mine: str, modules: dict[str, Path]) -> list[str]:
+    """`where: module._name` for each private name (one leading underscore) the code of
+    package `mine` takes from a module of another package: `from grpod.x import _name`, or
+    `_name` read off a module imported from another package."""
+    found = []
+    bound: dict[str, str] = {}  # a local name -> the project module it is
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module in modules:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in modules:
+                    bound[alias.asname or alias.name] = full
+                elif alias.name.startswith("_") and module_package(node.module, modules) != mine:
+                    found.append(f"{where}: {full}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules and alias.asname:
+                    bound[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+            and module_package(bound[node.value.id], modules) != mine
+        ):
+            found.append(f"{where}: {bound[node.value.id]}.{node.attr}")
+    return found
+
+
+def private_crossings() -> list[str]:
+    """Every private name that crosses a package. Tests may reach into what they test; the
+    packages, bench/ and scripts/ may not."""
+    modules = project_modules()
+    module_of = {path.resolve(): name for name, path in modules.items()}
+    found = []
+    for path in python_files():
+        where = path.relative_to(ROOT).as_posix()
+        if where.startswith("tests/"):
+            continue
+        me = module_of.get(path.resolve())
+        mine = module_package(me, modules) if me else where.split("/")[0]
+        found += crossings_in(ast.parse(path.read_text(), str(path)), where, mine, modules)
+    return sorted(set(found))
+
+
+def test_no_private_name_crosses_a_package() -> None:
+    assert [c for c in private_crossings() if c not in PENDING_PRIVATE] == []
+
+
+def test_the_private_walk_sees_both_forms() -> None:
+    """A `from` import of a private name and a private attribute of an imported module count
+    across packages, and not inside one."""
+    modules = project_modules()
+    tree = ast.parse(
+        "import grpod.engine.batch as b\n"
+        "from grpod.forensics.replay import _x\n"
+        "from grpod.engine import report\n"
+        "b._y, report._z, b.__name__\n"
+    )
+    assert crossings_in(tree, "f", "grpod.guards", modules) == [
+        "f: grpod.forensics.replay._x",
+        "f: grpod.engine.batch._y",
+        "f: grpod.engine.report._z",
+    ]
+    assert crossings_in(tree, "f", "grpod.engine", modules) == ["f: grpod.forensics.replay._x"]

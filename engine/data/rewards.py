@@ -36,7 +36,7 @@ class RewardSet:
         non_finite: NonFinite,
     ) -> None:
         self.task = task
-        self.timeout_seconds = timeout_seconds  # per call (engine/data/rewardcall.py)
+        self.timeout_seconds = timeout_seconds  # per call (engine/rewardcall.py)
         self.non_finite = non_finite  # what a NaN or inf is: the run's or the eval's decision
         weights = weights or [1.0] * len(specs)
         self.functions = [
@@ -52,7 +52,7 @@ class RewardSet:
     ) -> tuple[torch.Tensor, dict[str, list[float]]]:
         """`rewards: [samples]` FP32 and {name: [samples]} (empty without `rewards`); sample
         `i` is named `first + i` in errors (under torchrun: its index in the global batch).
-        A function that fails raises `RewardError` (engine/data/rewardcall.py)."""
+        A function that fails raises `RewardError` (engine/rewardcall.py)."""
         if not self.functions:
             values = [
                 self.task.score(

@@ -23,7 +23,7 @@ def flatten_parameters(model: torch.nn.Module) -> torch.Tensor | None:
     the parameters differ in dtype or device, or there are none."""
     # a tied parameter is listed once; matrices first, so that a layer's q/k/v (and gate/up)
     # weights lie back to back, not split by their biases: the fused decoder then views them
-    # as one matrix (engine.fused.joined) instead of copying them for every rollout
+    # as one matrix (engine.model.fused.joined) instead of copying them for every rollout
     params = list(model.parameters())
     params = [p for p in params if p.dim() >= 2] + [p for p in params if p.dim() < 2]
     if not params:

@@ -2,7 +2,7 @@
 
 The torch sampler's long-context path (`[engine] rollout_kv_cache = "lastrec" | "h2o"`,
 engine/kvcache.py says what each policy keeps). It computes each layer with the fused
-weights of `engine.fused` and keeps, per layer, `[rows, kv, length, hd]` keys and values,
+weights of `engine.model.fused` and keeps, per layer, `[rows, kv, length, hd]` keys and values,
 the position of the token in each slot (-1: empty) and, for H2O, the attention each slot
 has received. Keys are stored rotated at their own positions, so attention over the kept
 slots is attention over those positions of the full sequence: what the trainer's masked
@@ -50,7 +50,7 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
 class BoundedDecoder:
     """Prefill + per-token decode for `rows` sequences through `spec.length` slots per layer.
 
-    The same interface as `engine.fused.StaticDecoder` (`rows` is the decode batch, as there);
+    The same interface as `engine.model.fused.StaticDecoder` (`rows` is the decode batch, as there);
     `max_len` bounds the positions (the rotary table), not the cache. Build under
     `torch.no_grad`, one per rollout.
     """

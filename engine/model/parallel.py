@@ -247,11 +247,6 @@ def total_norm(grads: list[torch.Tensor]) -> float:
     return float(norm)
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor; any other tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def is_sharded(model: torch.nn.Module) -> bool:
     return hasattr(model, TRUNK_METHOD)
 

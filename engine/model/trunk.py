@@ -18,7 +18,7 @@ FP32 (tests/engine/model/test_trunk.py holds them to it), so the choice changes 
 recorded number there. On other devices the fused RMSNorm kernel may round differently from
 the five-op formula: equal up to FP32 rounding, and as deterministic as the Hugging Face
 path (replay runs this same code). `unsupported` says when a model must run through
-Hugging Face instead: anything `engine.fused.unsupported` rejects, another attention
+Hugging Face instead: anything `engine.model.fused.unsupported` rejects, another attention
 implementation, BF16, attention dropout while training.
 """
 
@@ -89,7 +89,7 @@ def trunk_hidden(
     dtype: str,
 ) -> torch.Tensor:
     """The final-norm hidden states of an unsharded model: Qwen2 / Llama in FP32 through
-    `engine.trunk.trunk_states` (bit-identical to the Hugging Face forward, without its
+    `engine.model.trunk.trunk_states` (bit-identical to the Hugging Face forward, without its
     plumbing), anything else through the Hugging Face forward."""
     if unsupported(model, dtype) is None:
         return trunk_states(model, input_ids, position_ids, mask)

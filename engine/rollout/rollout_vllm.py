@@ -14,8 +14,8 @@ runs the weight-sync check's probe (`engine/weight_sync.py`) in the rollout's ow
 Sampled-token logprobs are vLLM's *processed* logprobs (after temperature and top-p): the
 distribution actually sampled from. A NaN or -inf logprob vLLM returns is kept as it came
 (the finite guard flushes the step), never replaced. The result has the torch sampler's
-shape (`engine.torch_sampler.Rollout`), so everything downstream of the `TransportBatch` is the
-same whichever backend sampled.
+shape (`Rollout`), so everything downstream of the `TransportBatch` is the same whichever
+backend sampled.
 """
 
 from __future__ import annotations

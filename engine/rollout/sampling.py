@@ -19,19 +19,19 @@ import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from grpod.engine.config import VLLM_BACKENDS, EngineConfig
 from grpod.engine.errors import EngineError, SamplerError
 from grpod.engine.faults import Faults
-from grpod.engine.grpo.build import EngineParts
+from grpod.engine.kvcache import KVCacheSpec
+from grpod.engine.model.head import sequence_logprobs
 from grpod.engine.model.parallel import Parallel
 from grpod.engine.phases import PhaseClock
 from grpod.engine.rollout.stop_strings import cut_at_stop_strings, strip_stop_strings
 from grpod.engine.rollout.torch_sampler import Rollout, sample
-from grpod.engine.train.layout import sequence_logprobs
 from grpod.engine.weight_sync import ProbeScores, WeightSyncCheck, compare, probe_sequence
 
 if TYPE_CHECKING:  # imported on first use: vllm is an extra
@@ -90,13 +90,31 @@ class Pending:
         return max(0.0, self.sample_seconds - self.waited_seconds)
 
 
+class RolloutParts(Protocol):
+    """What sampling takes of the engine's parts (engine/grpo/build.py `EngineParts` holds
+    them): not the task, rewards, KL reference or training trunk, which are training's."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...  # the trained model (FSDP-sharded, or plain)
+    @property
+    def rollout_model(self) -> torch.nn.Module: ...  # its unsharded copy: what samples
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def stop_token_ids(self) -> list[int]: ...
+    @property
+    def kv_cache(self) -> KVCacheSpec | None: ...
+    @property
+    def device(self) -> torch.device: ...
+
+
 class Sampling:
     """Sample completions from `rollout_model` (the unsharded copy of the trained `model`)."""
 
     def __init__(
         self,
         config: EngineConfig,
-        parts: EngineParts,
+        parts: RolloutParts,
         parallel: Parallel,
         faults: Faults,
         clock: PhaseClock,

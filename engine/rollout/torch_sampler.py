@@ -27,7 +27,7 @@ class Rollout:
     cache_stats: CacheStats | None = None  # a bounded KV cache's state after the prefill
 
 
-def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+def filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Mask logits outside the smallest set whose probability reaches top_p."""
     if top_p >= 1.0:
         return logits
@@ -58,9 +58,10 @@ def sample(
     A completion ends with any of the `eos_token_id`s. `temperature = 0` is greedy (the
     logprobs are then the untempered distribution's). Each distinct prompt is prefilled
     once; its KV cache and first-token logits are then fanned out to every completion that
-    shares it (a group's siblings). `decoder="auto"` decodes with `engine.fused.StaticDecoder`
-    where it covers the model, `"hf"` always through the Hugging Face forward. `kv_cache`
-    bounds the decode cache (`engine.kvdecoder.BoundedDecoder`); only the fused decoder evicts.
+    shares it (a group's siblings). `decoder="auto"` decodes with
+    `engine.model.fused.StaticDecoder` where it covers the model, `"hf"` always through the
+    Hugging Face forward. `kv_cache` bounds the decode cache
+    (`engine.model.kvdecoder.BoundedDecoder`); only the fused decoder evicts.
     """
     n = len(prompts)
     device = next(model.parameters()).device
@@ -108,7 +109,7 @@ def sample(
             else:
                 if temperature != 1.0:
                     logits = logits / temperature
-                logprobs = _filter_top_p(logits, top_p).log_softmax(-1)
+                logprobs = filter_top_p(logits, top_p).log_softmax(-1)
                 token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
             out_ids[:, t] = torch.where(alive, token, pad_token_id)
             out_lp[:, t] = torch.where(alive, logprobs.gather(-1, token[:, None]).squeeze(-1), 0.0)

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from grpod.base.collectives import local
 from grpod.engine.errors import EngineError
-from grpod.engine.model.parallel import local
 from grpod.engine.state.cursor import DataCursor
 
 KEYS = ("model", "optimizer", "scheduler", "cursor")

@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from grpod.engine.batch import TransportBatch
 from grpod.engine.config import EngineConfig
 from grpod.engine.faults import Faults
+from grpod.engine.model.head import token_logprobs_entropy
 from grpod.engine.model.parallel import Parallel
 from grpod.engine.train.accounting import ValidTokenCounter
 from grpod.engine.train.layout import TrunkLayout, micro_layout, run_trunk, trunk_passes
-from grpod.engine.train.loss import LossSettings, policy_token_loss, token_logprobs_entropy
+from grpod.engine.train.loss import LossSettings, policy_token_loss
 from grpod.engine.train.stats import StepStats
 
 

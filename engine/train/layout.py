@@ -20,7 +20,6 @@ from grpod.engine.model.parallel import is_replicated, is_sharded
 from grpod.engine.model.policy import compute_context
 from grpod.engine.model.trunk import trunk_hidden
 from grpod.engine.train.kvmask import cell_prompt_lengths, restrict_to_cache
-from grpod.engine.train.loss import token_logprobs
 
 
 @dataclass(frozen=True)
@@ -123,21 +122,6 @@ def run_trunk(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     hidden = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[-1])])
     return hidden, layout.source.to(device)
-
-
-@torch.no_grad()
-def sequence_logprobs(
-    model: torch.nn.Module, tokens: list[int], dtype: str, device: torch.device
-) -> torch.Tensor:
-    """FP32-head logprobs `[len(tokens) - 1]` of tokens 1.. given the ones before, at
-    temperature 1, through the trainer's own trunk (`trunk_hidden`) and compute dtype."""
-    ids = torch.tensor([tokens], dtype=torch.long, device=device)
-    positions = torch.arange(len(tokens), device=device)[None]
-    causal = torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device).tril()
-    with compute_context(dtype, device):
-        hidden = trunk_hidden(model, ids, positions, causal[None, None], dtype)
-    head = model.get_output_embeddings().weight
-    return token_logprobs(hidden[0, :-1], head, ids[0, 1:]).float().cpu()
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ class StepTotals:
     world_size: int
     ranks: list[list[float]]
     global_valid_tokens: int
-    token_scale: float  # 1 / global_valid_tokens (engine/train/accounting.py `token_scale`)
+    token_scale: float  # 1 / global_valid_tokens (engine/accounting.py `token_scale`)
     grad_norm: float  # global FP32 norm of the scaled gradients, before clipping
     max_grad_norm: float
     lr: float

@@ -39,3 +39,8 @@ def all_reduce_max(value: int) -> int:
     tensor = torch.tensor([int(value)], dtype=torch.int64, device=comm_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor.item())
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -11,7 +11,7 @@ import torch
 
 from grpod.engine import Engine, TransportBatch
 from grpod.engine.grpo.step import decide_step
-from grpod.engine.train.layout import sequence_logprobs
+from grpod.engine.model.head import sequence_logprobs
 from grpod.engine.verdict import Action, Outcome
 from grpod.guards.policy import GuardPolicy
 from tests.engine.helpers import config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpod.engine.train.loss import token_logprobs, token_logprobs_entropy
+from grpod.engine.model.head import token_logprobs, token_logprobs_entropy
 
 
 def _inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
 import torch
 
 from grpod.engine import Engine
-from grpod.engine.rollout.torch_sampler import _filter_top_p, sample
+from grpod.engine.rollout.torch_sampler import filter_top_p, sample
 from tests.engine.helpers import config
 
 
@@ -62,7 +62,7 @@ def test_logprobs_match_the_trainer_under_temperature() -> None:
 
 def test_logprobs_are_of_the_top_p_renormalised_distribution() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
-    kept = _filter_top_p(logits, 0.7)
+    kept = filter_top_p(logits, 0.7)
     probs = kept.softmax(-1)
     assert probs[0, 2:].sum() == 0  # 0.63 + 0.23 crosses 0.7 at the second token
     assert torch.allclose(probs[0, :2].sum(), torch.tensor(1.0))
