@@ -1,4 +1,4 @@
-"""Drill faults as hooks: each known failure of `DESIGN.md`, injected on purpose.
+"""Drill faults as hooks: each known failure (docs/ARCHITECTURE.md), injected on purpose.
 
 The engine calls every hook on every step; with the default `FaultsConfig` each returns its
 input untouched, so the trainer's step has no fault branches. `grpod drill` turns one on
