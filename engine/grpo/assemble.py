@@ -21,7 +21,7 @@ from grpod.engine.data.tasks import Prompt
 from grpod.engine.errors import RewardError
 from grpod.engine.faults import Faults
 from grpod.engine.model.parallel import Parallel
-from grpod.engine.rollout.torch_sampler import Rollout
+from grpod.engine.rollout.sampler import Rollout
 
 if TYPE_CHECKING:
     from grpod.engine.kvcache import KVCacheSpec

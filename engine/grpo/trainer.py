@@ -23,8 +23,8 @@ from grpod.engine.model.parallel import Parallel, total_norm
 from grpod.engine.phases import PhaseClock
 from grpod.engine.report import StepReport
 from grpod.engine.rollout.ahead import Ahead, AheadStats
+from grpod.engine.rollout.sampler import Rollout
 from grpod.engine.rollout.sampling import Pending, Sampling
-from grpod.engine.rollout.torch_sampler import Rollout
 from grpod.engine.state import distcp, engine_state
 from grpod.engine.state.cursor import DataCursor
 from grpod.engine.train.accounting import token_scale
@@ -33,8 +33,7 @@ from grpod.engine.train.optim import apply_update, build_optimizer, build_schedu
 from grpod.engine.train.stats import StepTotals, build_report, skipped_report
 
 if TYPE_CHECKING:
-    from grpod.engine.rollout.rollout_server import ServerSampler
-    from grpod.engine.rollout.rollout_vllm import VLLMSampler
+    from grpod.engine.rollout.sampler import Sampler
     from grpod.engine.weight_sync import WeightSyncCheck
 
 __all__ = ["Engine", "step_seed"]
@@ -154,9 +153,9 @@ class Engine:
         return self.faults.per_micro_accounting
 
     @property
-    def vllm(self) -> VLLMSampler | ServerSampler | None:
+    def vllm(self) -> Sampler | None:
         """The vLLM sampler (rollout_backend vllm / vllm-server; started by the first
-        rollout, or `start_sampler`)."""
+        rollout, or `start_sampler`): a `Sampler` that holds its own copy of the weights."""
         return self.sampling.vllm
 
     @property

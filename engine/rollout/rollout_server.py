@@ -52,7 +52,7 @@ from grpod.engine.rollout.rollout_vllm import (
     to_rollout,
     weights_to_push,
 )
-from grpod.engine.rollout.torch_sampler import Rollout
+from grpod.engine.rollout.sampler import Rollout
 from grpod.engine.rollout.vllm_server import (
     EXIT_GRACE_SECONDS,
     UNIX_PREFIX,

@@ -30,7 +30,7 @@ import torch
 from grpod.base.oneline import one_line
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
-from grpod.engine.rollout.torch_sampler import Rollout
+from grpod.engine.rollout.sampler import Rollout
 from grpod.engine.rollout.vllm_limits import CPU_KV_CACHE_BYTES, served_lengths
 from grpod.engine.weight_sync import CONTINUATION_TOKENS, ProbeScores, PushFaults
 

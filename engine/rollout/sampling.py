@@ -1,6 +1,7 @@
 """`Sampling`: completions from the rollout copy of the policy, and the weight sync before them.
 
-The torch sampler (engine/rollout/torch_sampler.py) runs in-process on `rollout_model`; with
+Every backend is a `Sampler` (engine/rollout/sampler.py), built by `sampler_class`. The torch
+sampler (engine/rollout/torch_sampler.py) runs in-process on `rollout_model`; with
 `rollout_backend = "vllm"` (engine/rollout/rollout_vllm.py) or `"vllm-server"`
 (engine/rollout/rollout_server.py) the weights are pushed into vLLM first (started on first use)
 and its rollout also scores the weight-sync probe, which the trainer checks
@@ -19,24 +20,36 @@ import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from grpod.engine.config import VLLM_BACKENDS, EngineConfig
 from grpod.engine.errors import EngineError, SamplerError
 from grpod.engine.faults import Faults
-from grpod.engine.kvcache import KVCacheSpec
 from grpod.engine.model.head import sequence_logprobs
 from grpod.engine.model.parallel import Parallel
 from grpod.engine.phases import PhaseClock
+from grpod.engine.rollout.sampler import Rollout, Sampler
 from grpod.engine.rollout.stop_strings import cut_at_stop_strings, strip_stop_strings
-from grpod.engine.rollout.torch_sampler import Rollout, sample
+from grpod.engine.rollout.torch_sampler import TorchSampler
 from grpod.engine.weight_sync import ProbeScores, WeightSyncCheck, compare, probe_sequence
 
-if TYPE_CHECKING:  # imported on first use: vllm is an extra
-    from grpod.engine.rollout.rollout_server import ServerSampler
-    from grpod.engine.rollout.rollout_vllm import VLLMSampler
+
+def sampler_class(backend: str) -> type[Sampler]:
+    """The `Sampler` of `rollout_backend = backend`, built as `cls(model, config,
+    probe_tokens)`; vLLM's modules are imported only when asked for (vllm is an extra)."""
+    if backend == "vllm-server":
+        from grpod.engine.rollout.rollout_server import ServerSampler
+
+        return ServerSampler
+    if backend == "vllm":
+        from grpod.engine.rollout.rollout_vllm import VLLMSampler
+
+        return VLLMSampler
+    if backend == "torch":
+        return TorchSampler
+    raise EngineError(f"rollout_backend {backend!r}: no such sampler")
 
 
 class Pending:
@@ -103,8 +116,6 @@ class RolloutParts(Protocol):
     @property
     def stop_token_ids(self) -> list[int]: ...
     @property
-    def kv_cache(self) -> KVCacheSpec | None: ...
-    @property
     def device(self) -> torch.device: ...
 
 
@@ -122,11 +133,12 @@ class Sampling:
     ) -> None:
         self.config, self.model, self.rollout_model = config, parts.model, parts.rollout_model
         self.tokenizer, self.stop_token_ids = parts.tokenizer, parts.stop_token_ids
-        self.kv_cache, self.device = parts.kv_cache, parts.device
+        self.device = parts.device
         self.parallel, self.faults, self.clock = parallel, faults, clock
         self.weight_version = weight_version
         # rollout_backend vllm / vllm-server: built on first use (or by `start`)
-        self.vllm: VLLMSampler | ServerSampler | None = None
+        self.vllm: Sampler | None = None
+        self.torch = TorchSampler(self.rollout_model, config)  # the in-process backend
         self.weight_sync: WeightSyncCheck | None = None  # the last push's check (vllm)
         self.probe: list[int] = []  # the weight-sync probe (engine/weight_sync.py)
         server = config.rollout_backend == "vllm-server"
@@ -267,7 +279,6 @@ class Sampling:
         """Completions from the configured backend: the torch sampler, or vLLM (whose call
         also scores the weight-sync probe, unless checked apart; its check is the
         `sync_check` phase)."""
-        cfg = self.config
         settings = self._settings(temperature)
         if self.vllm is not None and not probe:  # pushed and checked by `_push_and_check`
             return self.vllm.sample(prompts, seed=seed, **settings)[0]
@@ -275,16 +286,7 @@ class Sampling:
             rollout, scores = self.vllm.sample(prompts, seed=seed, probe=self.probe, **settings)
             self.weight_sync = self._check_sampler(scores)
             return rollout
-        generator = torch.Generator(self.device).manual_seed(seed)
-        return sample(
-            self.rollout_model,
-            prompts,
-            generator=generator,
-            dtype=cfg.dtype,
-            decoder=cfg.rollout_decoder,
-            kv_cache=self.kv_cache,
-            **settings,
-        )
+        return self.torch.sample(prompts, seed=seed, **settings)[0]
 
     def _push_to_sampler(self, step: int | None) -> None:
         """Push the rollout model's weights into vLLM (started on first use); its rollout
@@ -299,19 +301,16 @@ class Sampling:
         cfg = self.config
         if self.vllm is not None or cfg.rollout_backend not in VLLM_BACKENDS:
             return
-        if cfg.rollout_backend == "vllm-server":
-            from grpod.engine.rollout.rollout_server import ServerSampler as Sampler
-        else:
-            from grpod.engine.rollout.rollout_vllm import VLLMSampler as Sampler
+        backend = sampler_class(cfg.rollout_backend)
         vocab = min(self.tokenizer.vocab_size, self.model.get_input_embeddings().num_embeddings)
         model, probe_tokens = self.rollout_model, cfg.weight_sync_probe_tokens
         if not self.node_server:
-            self.vllm = Sampler(model, cfg, probe_tokens)
+            self.vllm = backend(model, cfg, probe_tokens)
         else:  # local rank 0 starts (or reaches) the node's server; its peers reach it
             started: list = []
 
             def start_server() -> str:
-                started.append(Sampler(model, cfg, probe_tokens))
+                started.append(backend(model, cfg, probe_tokens))
                 return started[0].client.url
 
             url = on_node_leader(self.parallel, start_server)
@@ -320,7 +319,7 @@ class Sampling:
                 self.vllm = started[0]
             else:
                 try:
-                    self.vllm = Sampler(model, cfg, probe_tokens, peer_of=url)
+                    self.vllm = backend(model, cfg, probe_tokens, peer_of=url)  # a server's peer
                 except SamplerError as exc:
                     failure = exc
             self._agree(failure)  # every rank reaches the server, or none goes on

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from grpod.engine.rollout.torch_sampler import Rollout
+from grpod.engine.rollout.sampler import Rollout
 
 
 def stop_token_ids(tokenizer: Any, model: torch.nn.Module) -> list[int]:

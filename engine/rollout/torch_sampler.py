@@ -7,24 +7,18 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
-from grpod.engine.kvcache import CacheStats, KVCacheSpec
+from grpod.engine.kvcache import KVCacheSpec
 from grpod.engine.model.fused import StaticDecoder, unsupported
 from grpod.engine.model.kvdecoder import BoundedDecoder
 from grpod.engine.model.policy import compute_context
-
-
-@dataclass
-class Rollout:
-    completion_ids: torch.Tensor  # [samples, max_new] int64, pad after the stop
-    logprobs: torch.Tensor  # [samples, max_new] FP32 logprob under the sampled distribution
-    mask: torch.Tensor  # [samples, max_new] bool: generated tokens up to and including EOS
-    cache_stats: CacheStats | None = None  # a bounded KV cache's state after the prefill
+from grpod.engine.rollout.sampler import Rollout
+from grpod.engine.weight_sync import ProbeScores, PushFaults
 
 
 def filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -181,3 +175,49 @@ def _left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor
 def _cache_argument(model: torch.nn.Module) -> str:
     """`cache` on newer transformers, `past_key_values` before it was renamed."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class TorchSampler:
+    """The torch sampler as a `Sampler` (engine/rollout/sampler.py): it samples the trainer's
+    own rollout copy, so a push has nothing to do and there is no copy for a probe to check."""
+
+    probe_tokens = 0
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, probe_tokens: int = 0) -> None:
+        self.model, self.config = model, config
+
+    def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> None:
+        """Nothing to take: `model` is the module this sampler samples."""
+
+    def sample(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        eos_token_id: int | list[int],
+        pad_token_id: int,
+        seed: int,
+        probe: list[int] | None = None,
+    ) -> tuple[Rollout, ProbeScores | None]:
+        """`sample` on the model, with a generator seeded `seed` on the model's device."""
+        cfg = self.config
+        device = next(self.model.parameters()).device
+        rollout = sample(
+            self.model,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            generator=torch.Generator(device).manual_seed(seed),
+            dtype=cfg.dtype,
+            decoder=cfg.rollout_decoder,
+            kv_cache=cfg.kv_cache_spec,
+        )
+        return rollout, None
+
+    def close(self) -> None:
+        """Nothing held beyond the trainer's model."""

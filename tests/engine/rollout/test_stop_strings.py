@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from grpod.engine import Engine, EngineError
+from grpod.engine.rollout.sampler import Rollout
 from grpod.engine.rollout.stop_strings import (
     cut_at_stop_strings,
     stop_token_ids,
     strip_stop_strings,
 )
-from grpod.engine.rollout.torch_sampler import Rollout, sample
+from grpod.engine.rollout.torch_sampler import sample
 from grpod.engine.state.export import export_pretrained
 from tests.engine.helpers import config
 from tests.hfdir import CHAT_TEMPLATE, build_hf_dir
