@@ -70,11 +70,13 @@ test-fast: venv
 test-vllm: venv venv-vllm promtool
 	PATH=$(CURDIR)/$(TOOLS):$$PATH GRPOD_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm --durations=5
 
-# ruff, then the layering contract (pyproject.toml [tool.importlinter]; docs/ARCHITECTURE.md)
+# ruff, the layering contract (pyproject.toml [tool.importlinter]; docs/ARCHITECTURE.md), and
+# repeated code: at most 20 pairs of places sharing 6+ lines (scripts/check_duplicates.py)
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python scripts/lint_imports.py
+	$(BIN)/python scripts/check_duplicates.py
 
 fmt: venv
 	$(BIN)/ruff format .

@@ -37,6 +37,10 @@ import torch  # noqa: E402
 
 from grpod.engine.data.tokenizer import ARITH_CHARS, BOS, EOS, PAD, SPECIALS  # noqa: E402
 
+# W2 (bench/WORKLOADS.md) as an engine config: long prompts, 256-token rows in 4 sequence
+# chunks, one row per micro (the torchrun benches' setting, and the torchrun tests')
+from tests.daemon.helpers import W2_ENGINE  # noqa: E402
+
 THREADS = 2
 GROUP_SIZE = 8
 PROMPTS_PER_STEP = 16
@@ -46,41 +50,13 @@ OUT_DIR = ROOT / "bench" / "out"
 
 
 # ------------------------------------------------------------------ model, tokenizer, task
-# W2 (bench/WORKLOADS.md) as an engine config: long prompts, 256-token rows in 4 sequence
-# chunks, one row per micro (the torchrun benches' setting)
-W2_ENGINE = {
-    "task": "kv-retrieval",
-    "seq_len": 256,
-    "sequence_chunks": 4,
-    "lmhead_chunks": 4,
-    "prompts_per_step": 4,
-    "group_size": 4,
-    "micro_batch_rows": 1,
-    "threads": 1,
-}
 
 
 def build_model(vocab_size: int = len(SPECIALS) + len(ARITH_CHARS), **overrides: Any):
     """The W1 Qwen2 (or W3 with `overrides`): random init under torch seed 0, FP32, tied."""
-    from grpod.engine.model.policy import TINY_QWEN2, build_tiny_qwen2
+    from grpod.engine.model.policy import build_tiny_qwen2
 
-    if not overrides:
-        return build_tiny_qwen2(vocab_size, 64, seed=0)
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        max_position_embeddings=64,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        attn_implementation="sdpa",
-        **{**TINY_QWEN2, **overrides},
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config)
-    return model.float()
+    return build_tiny_qwen2(vocab_size, 64, seed=0, **overrides)
 
 
 def weights_digest(model: torch.nn.Module) -> str:

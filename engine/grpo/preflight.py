@@ -84,7 +84,8 @@ def _model_dir(path: Path) -> tuple[Any, int, Any]:
         _check_safetensors(weights)
     from transformers import AutoConfig
 
-    from grpod.engine.model.policy import first_line, load_tokenizer
+    from grpod.base.oneline import first_line
+    from grpod.engine.model.policy import load_tokenizer
 
     try:
         model_config = AutoConfig.from_pretrained(path, local_files_only=True)

@@ -18,6 +18,7 @@ import torch
 from grpod.base.oneline import one_line
 from grpod.engine.config import LoraConfig
 from grpod.engine.errors import EngineError
+from grpod.engine.model.policy import seeded
 
 
 def apply_lora(model: torch.nn.Module, settings: LoraConfig, seed: int) -> Any:
@@ -37,9 +38,8 @@ def apply_lora(model: torch.nn.Module, settings: LoraConfig, seed: int) -> Any:
     )
     _refuse_tied_targets(model, lora)
     try:
-        with torch.random.fork_rng(devices=[]):  # adapter init from the run's seed alone
-            torch.manual_seed(seed)
-            adapters = peft.get_peft_model(model, lora)
+        # adapter init from the run's seed alone
+        adapters = seeded(lambda: peft.get_peft_model(model, lora), seed)
     except ValueError as exc:
         raise EngineError(f"engine.lora: {one_line(exc, with_type=False)}") from None
     with torch.no_grad():

@@ -7,12 +7,17 @@ autocast while the LM head, logprobs, loss and gradient accumulation stay FP32.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
+from grpod.base.oneline import first_line
 from grpod.engine.data.tokenizer import CharTokenizer, HFTokenizerAdapter
 from grpod.engine.errors import EngineError
+
+T = TypeVar("T")
 
 TINY_QWEN2 = dict(  # the W1 model (shared/bench/WORKLOADS.md)
     hidden_size=128,
@@ -24,8 +29,17 @@ TINY_QWEN2 = dict(  # the W1 model (shared/bench/WORKLOADS.md)
 )
 
 
-def build_tiny_qwen2(vocab_size: int, max_positions: int = 64, seed: int = 0):
-    """The built-in tiny Qwen2, random init under torch seed `seed` without touching global RNG."""
+def seeded(build: Callable[[], T], seed: int) -> T:
+    """`build()` under torch seed `seed`, the global RNG untouched: a random init that
+    depends on the seed alone."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+def build_tiny_qwen2(vocab_size: int, max_positions: int = 64, seed: int = 0, **overrides):
+    """The built-in tiny Qwen2 (`overrides`: other sizes than `TINY_QWEN2`'s), FP32, random
+    init under torch seed `seed` without touching the global RNG."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
@@ -35,12 +49,9 @@ def build_tiny_qwen2(vocab_size: int, max_positions: int = 64, seed: int = 0):
         eos_token_id=2,
         pad_token_id=0,
         attn_implementation="sdpa",
-        **TINY_QWEN2,
+        **{**TINY_QWEN2, **overrides},
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    return model.float()
+    return seeded(lambda: Qwen2ForCausalLM(config), seed).float()
 
 
 def load_policy(name: str, chars: str, max_positions: int):
@@ -86,12 +97,6 @@ def load_tokenizer(name: str, chars: str) -> CharTokenizer | HFTokenizerAdapter:
         return HFTokenizerAdapter(AutoTokenizer.from_pretrained(name, local_files_only=True))
     except Exception as exc:  # transformers raises many types for one bad file
         raise EngineError(f"model {name}: cannot load: {first_line(exc)}") from None
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (its type's name when it has none)."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def check_model_dir(path: Path) -> None:
