@@ -3,7 +3,11 @@
 - no import cycle among the `grpod.*` modules, counting every import a reader follows
   (module level, `TYPE_CHECKING` and function-level ones; a lazily exported package name
   counts as its defining module);
-- only `forensics/` (and its tests) imports SQLAlchemy: everyone else asks `Store`.
+- only `forensics/` (and its tests) imports SQLAlchemy: everyone else asks `Store`;
+- no private name (one leading underscore) crosses a package outside the tests.
+
+The layers themselves (what each package may import) are import-linter's contracts in
+pyproject.toml, which `make lint` checks (scripts/lint_imports.py; docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
