@@ -66,3 +66,24 @@ def test_the_layering_contract_fails_on_a_violation(tmp_path: Path) -> None:
     )
     assert run.returncode == 1
     assert "grpod.engine.rollout.sampling -> grpod.engine.train" in run.stdout
+
+
+def test_relayout_moves_old_names_once() -> None:
+    """A pre-layers branch's imports and paths move to the sub-packages; new ones stay."""
+    rewrite = _script("relayout").rewriter()
+    old = (
+        "from grpod.engine.stats import StepStats\n"
+        "from grpod.engine.model import TINY_QWEN2\n"
+        "from grpod.engine.state import distcp\n"
+        "from grpod import collectives, torchrun\n"
+        "# engine/eval.py, grpod/fileio.py, tests.engine.test_ahead\n"
+    )
+    new = rewrite(old)
+    assert new == (
+        "from grpod.engine.train.stats import StepStats\n"
+        "from grpod.engine.model.policy import TINY_QWEN2\n"
+        "from grpod.engine.state import distcp\n"
+        "from grpod.base import collectives, torchrun\n"
+        "# engine/grpo/eval.py, grpod/base/fileio.py, tests.engine.rollout.test_ahead\n"
+    )
+    assert rewrite(new) == new
