@@ -138,7 +138,7 @@ class Sampling:
         self.weight_version = weight_version
         # rollout_backend vllm / vllm-server: built on first use (or by `start`)
         self.vllm: Sampler | None = None
-        self.torch = TorchSampler(self.rollout_model, config)  # the in-process backend
+        self.torch_sampler = TorchSampler(self.rollout_model, config)  # the in-process backend
         self.weight_sync: WeightSyncCheck | None = None  # the last push's check (vllm)
         self.probe: list[int] = []  # the weight-sync probe (engine/weight_sync.py)
         server = config.rollout_backend == "vllm-server"
@@ -286,7 +286,7 @@ class Sampling:
             rollout, scores = self.vllm.sample(prompts, seed=seed, probe=self.probe, **settings)
             self.weight_sync = self._check_sampler(scores)
             return rollout
-        return self.torch.sample(prompts, seed=seed, **settings)[0]
+        return self.torch_sampler.sample(prompts, seed=seed, **settings)[0]
 
     def _push_to_sampler(self, step: int | None) -> None:
         """Push the rollout model's weights into vLLM (started on first use); its rollout
