@@ -16,7 +16,8 @@ from grpod.daemon.notify import Notifier
 from grpod.daemon.retention import Retention
 from grpod.daemon.rundir import RunDir
 from grpod.daemon.sink import StepSink
-from grpod.engine import Engine, distcp
+from grpod.engine import Engine
+from grpod.engine.state import distcp
 from grpod.forensics.resume import choose_checkpoint
 from grpod.guards import GuardPolicy
 

@@ -8,13 +8,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from grpod.daemon.progress import Progress
-from grpod.engine.samples import decode_samples
+from grpod.engine.grpo.samples import decode_samples
 from grpod.engine.verdict import Action
 
 if TYPE_CHECKING:  # engine.step imports the Engine (torch): a type here, not an import
     from grpod.engine import Engine
     from grpod.engine.batch import TransportBatch
-    from grpod.engine.step import StepResult
+    from grpod.engine.grpo.step import StepResult
 
 
 class StepConsole:

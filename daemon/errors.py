@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from grpod.base.oneline import one_line
 from grpod.engine.errors import EngineError
-from grpod.oneline import one_line
 
 
 class ConfigError(Exception):

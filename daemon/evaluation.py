@@ -1,4 +1,4 @@
-"""Held-out evaluation between steps (engine/eval.py): stored, published and logged; the
+"""Held-out evaluation between steps (engine/grpo/eval.py): stored, published and logged; the
 policy, the data cursor and the next batch are untouched."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 from grpod.daemon.metrics import Metrics
 from grpod.engine.errors import RewardError
-from grpod.engine.eval import Evaluator
+from grpod.engine.grpo.eval import Evaluator
 
 
 class Evaluations:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from grpod.engine import Engine
 from grpod.engine.batch import TransportBatch
 from grpod.engine.errors import RewardError, SamplerError
-from grpod.engine.step import StepResult, decide_step
+from grpod.engine.grpo.step import StepResult, decide_step
 from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.guards import GuardPolicy
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from grpod import torchrun
+from grpod.base import torchrun
 from grpod.daemon import distributed, logs
 from grpod.daemon.checkpoints import Checkpoints
 from grpod.daemon.config import GrpodConfig, reload_guards
@@ -59,7 +59,7 @@ from grpod.daemon.startup import open_run_dir, start_sampler
 from grpod.daemon.status_view import StatusView
 from grpod.engine import Engine
 from grpod.engine.config import VLLM_BACKENDS
-from grpod.engine.eval import Evaluator
+from grpod.engine.grpo.eval import Evaluator
 from grpod.engine.verdict import Action
 from grpod.guards import GuardPolicy
 

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from grpod.engine.verdict import Outcome
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8)  # max_staleness is at most 8 (engine config)
-DROP_REASONS = ("stale",)  # engine/ahead.py
+DROP_REASONS = ("stale",)  # engine/rollout/ahead.py
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # gauge name -> StepReport field (None in the report -> NaN on the gauge)
@@ -182,7 +182,7 @@ FAMILIES = (
         "rollout copy) and its check",
         buckets=PHASE_BUCKETS,
     ),
-    # async steps (engine/ahead.py); an on-policy step's staleness is 0
+    # async steps (engine/rollout/ahead.py); an on-policy step's staleness is 0
     Family(
         "rollout_staleness",
         H,

@@ -30,7 +30,7 @@ from prometheus_client.metrics_core import Metric
 from grpod.daemon.metric_families import FAMILIES, REPORT_GAUGES, STEP_FAMILIES, Family
 
 if TYPE_CHECKING:  # engine.step imports the Engine (torch): a type here, not an import
-    from grpod.engine.step import StepResult
+    from grpod.engine.grpo.step import StepResult
 
 
 class _Labelled:

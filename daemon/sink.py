@@ -25,7 +25,7 @@ from grpod.daemon.metrics import Metrics, RankMetrics
 from grpod.daemon.status_view import StatusView
 
 if TYPE_CHECKING:  # engine.step imports the Engine (torch): a type here, not an import
-    from grpod.engine.step import StepResult
+    from grpod.engine.grpo.step import StepResult
 
 
 class Recorder(Protocol):

@@ -13,7 +13,7 @@ from grpod.daemon.rundir import RunDir
 from grpod.engine.verdict import Verdict
 
 if TYPE_CHECKING:  # engine.step imports the Engine (torch): a type here, not an import
-    from grpod.engine.step import StepResult
+    from grpod.engine.grpo.step import StepResult
 
 STATUS_INTERVAL_SECONDS = 1.0  # status.json and STATUS= at most this often while running
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from grpod.base.jsonsafe import from_json, to_json
 from grpod.engine import (
     ChunkTrace,
     Engine,
@@ -40,11 +41,11 @@ from grpod.engine import (
     EngineError,
     StepReport,
     TransportBatch,
-    distcp,
 )
 from grpod.engine.context import ExecutionContext
-from grpod.engine.inputs import without_reward_code
-from grpod.engine.step import decide_step
+from grpod.engine.data.inputs import without_reward_code
+from grpod.engine.grpo.step import decide_step
+from grpod.engine.state import distcp
 from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.compare import REPLAY_RTOL, bit_equal, close, topology
@@ -53,7 +54,6 @@ from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Step
 from grpod.forensics.ranks import RankRecord
 from grpod.forensics.store import Store
-from grpod.jsonsafe import from_json, to_json
 
 COMPARED = ("valid_tokens", "loss", "grad_norm")
 

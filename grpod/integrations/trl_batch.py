@@ -19,7 +19,7 @@ import torch
 from grpod.engine.batch import TransportBatch
 from grpod.engine.errors import EngineError
 from grpod.engine.report import StepReport
-from grpod.engine.stats import clip_coefficient, mismatch_stats
+from grpod.engine.train.stats import clip_coefficient, mismatch_stats
 
 SAMPLE_INDEX = "grpod_sample_index"  # added to TRL's generation output: each row's global index
 LOGPROB_KEYS = {"old_per_token_logps": "old_logprobs", "sampling_per_token_logps": "sampler"}

@@ -16,6 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from grpod.base.fileio import private_umask
 from grpod.daemon import distributed
 from grpod.daemon.config import GrpodConfig
 from grpod.daemon.health import Health, HealthServer
@@ -23,9 +24,8 @@ from grpod.daemon.metrics import Metrics, RankMetrics
 from grpod.daemon.rundir import RunDir, new_run_id
 from grpod.daemon.sink import NoRecorder, StepSink
 from grpod.daemon.status_view import StatusView
-from grpod.engine.step import StepResult
+from grpod.engine.grpo.step import StepResult
 from grpod.engine.verdict import Action
-from grpod.fileio import private_umask
 from grpod.forensics.config import ForensicsConfig
 from grpod.forensics.recorder import FlightRecorder
 from grpod.guards.config import GuardsConfig

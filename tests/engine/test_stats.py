@@ -1,4 +1,4 @@
-"""The report's shared arithmetic (engine/stats.py): one clip-coefficient rule and one set of
+"""The report's shared arithmetic (engine/train/stats.py): one clip-coefficient rule and one set of
 sampler/trainer mismatch statistics, for the engine and the TRL adapter alike."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grpod.engine.stats import CLIP_EPS, clip_coefficient, mismatch_stats
+from grpod.engine.train.stats import CLIP_EPS, clip_coefficient, mismatch_stats
 
 
 @pytest.mark.parametrize("norm", [math.nan, math.inf, -math.inf])
