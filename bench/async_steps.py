@@ -1,4 +1,4 @@
-"""Async steps (`max_staleness`, engine/ahead.py): what they buy per second and cost per step.
+"""Async steps (`max_staleness`, engine/rollout/ahead.py): what they buy a second, cost a step.
 
 Two parts, each one invocation with its sides interleaved step by step (`run_lockstep`):
 
@@ -56,7 +56,7 @@ TIS = {"tis_cap": 2.0}
 def throughput_worker(conn, backend: str, staleness: int, workload: str) -> None:
     set_threads()
     from grpod.engine import Engine
-    from grpod.engine.step import decide_step
+    from grpod.engine.grpo.step import decide_step
     from grpod.guards import GuardPolicy
 
     task, extra = ("arith", {}) if workload == "W1" else ("kv-retrieval", _w2())

@@ -1,7 +1,7 @@
 """What both sides of a W1/W1c comparison share: model, tokenizer, prompts, reward, settings.
 
-grpod and TRL get the identical random-init Qwen2 (`engine.model.build_tiny_qwen2`, torch
-seed 0, tied embeddings), the same 512 prompts (`engine.tasks`), the same character vocab
+grpod and TRL get the identical random-init Qwen2 (`engine.model.policy.build_tiny_qwen2`, torch
+seed 0, tied embeddings), the same 512 prompts (`engine.data.tasks`), the same character vocab
 and the same reward rule. Each side runs in its own spawned process (separate peak RSS and
 thread pool) and steps only when the parent says "go", so the two sides interleave step by
 step and never compete for the two cores (see `run_interleaved`).
@@ -35,7 +35,11 @@ if os.environ.get("GRPOD_BENCH_PACKAGES"):  # another checkout's grpod packages 
 
 import torch  # noqa: E402
 
-from grpod.engine.tokenizer import ARITH_CHARS, BOS, EOS, PAD, SPECIALS  # noqa: E402
+from grpod.engine.data.tokenizer import ARITH_CHARS, BOS, EOS, PAD, SPECIALS  # noqa: E402
+
+# W2 (bench/WORKLOADS.md) as an engine config: long prompts, 256-token rows in 4 sequence
+# chunks, one row per micro (the torchrun benches' setting, and the torchrun tests')
+from tests.daemon.helpers import W2_ENGINE  # noqa: E402
 
 THREADS = 2
 GROUP_SIZE = 8
@@ -46,41 +50,13 @@ OUT_DIR = ROOT / "bench" / "out"
 
 
 # ------------------------------------------------------------------ model, tokenizer, task
-# W2 (bench/WORKLOADS.md) as an engine config: long prompts, 256-token rows in 4 sequence
-# chunks, one row per micro (the torchrun benches' setting)
-W2_ENGINE = {
-    "task": "kv-retrieval",
-    "seq_len": 256,
-    "sequence_chunks": 4,
-    "lmhead_chunks": 4,
-    "prompts_per_step": 4,
-    "group_size": 4,
-    "micro_batch_rows": 1,
-    "threads": 1,
-}
 
 
 def build_model(vocab_size: int = len(SPECIALS) + len(ARITH_CHARS), **overrides: Any):
     """The W1 Qwen2 (or W3 with `overrides`): random init under torch seed 0, FP32, tied."""
-    from grpod.engine.model import TINY_QWEN2, build_tiny_qwen2
+    from grpod.engine.model.policy import build_tiny_qwen2
 
-    if not overrides:
-        return build_tiny_qwen2(vocab_size, 64, seed=0)
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        max_position_embeddings=64,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        attn_implementation="sdpa",
-        **{**TINY_QWEN2, **overrides},
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config)
-    return model.float()
+    return build_tiny_qwen2(vocab_size, 64, seed=0, **overrides)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -119,7 +95,7 @@ def build_hf_tokenizer(chars: str = ARITH_CHARS):
 
 def task_prompts(task: str) -> list[tuple[str, str]]:
     """`(prompt text, answer)` for the 512 W1 (`arith`) or W1c (`copy`) prompts."""
-    from grpod.engine.tasks import build_task
+    from grpod.engine.data.tasks import build_task
 
     return [(p.text, p.answer) for p in build_task(task).prompts]
 
@@ -129,7 +105,7 @@ def w2_trl_task(steps: int) -> tuple[list[tuple[str, str]], str, dict]:
     engine seed 0) for `steps` steps in step order, the task's characters, and the TRL
     settings that differ from W1's (4 prompts x 4 completions, no shuffling, so that TRL's
     step i trains on grpod's step-i prompts)."""
-    from grpod.engine.tasks import build_task
+    from grpod.engine.data.tasks import build_task
 
     task = build_task("kv-retrieval", long_batch_fraction=W2_SETTINGS["long_prompt_batch_fraction"])
     n = W2_ENGINE["prompts_per_step"]
@@ -150,7 +126,7 @@ def completion_reward(completion_ids: list[int], answer: str, chars: str = ARITH
     and rewards 1.0 iff the text starts with the answer digit; this is that rule, so TRL is
     scored exactly as grpod is.
     """
-    from grpod.engine.tokenizer import CharTokenizer
+    from grpod.engine.data.tokenizer import CharTokenizer
 
     text = CharTokenizer(chars).decode(list(completion_ids))
     return 1.0 if text[:1] == answer[:1] else 0.0
@@ -244,7 +220,7 @@ def _trl_worker(conn, task: str, max_steps: int, seed: int = 0, guarded: bool = 
 
     if task == "kv-retrieval":  # W2: per-step prompts, 256-token positions, 4 x 4 per step
         prompts, chars, overrides = w2_trl_task(max_steps + 1)
-        from grpod.engine.model import build_tiny_qwen2
+        from grpod.engine.model.policy import build_tiny_qwen2
 
         model = build_tiny_qwen2(len(SPECIALS) + len(chars), W2_ENGINE["seq_len"])
     else:

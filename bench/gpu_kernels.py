@@ -20,7 +20,7 @@ from gpu_env import flashinfer_status
 from gpu_numerics import TINY_TRUNK
 from w3_mfu import matmul_flops_per_s, measure, save_w3_model, w3_engine
 
-from grpod.engine.torch_sampler import _filter_top_p
+from grpod.engine.rollout.torch_sampler import filter_top_p
 
 TOP_P = 0.9
 
@@ -42,8 +42,8 @@ def mfu(dry_run: bool) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ flashinfer
 def _torch_top_p(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """The torch sampler's draw (engine/torch_sampler.py): top-p filter, then multinomial."""
-    logprobs = _filter_top_p(probs.log(), TOP_P).log_softmax(-1)
+    """The torch sampler's draw (engine/rollout/torch_sampler.py): top-p, then multinomial."""
+    logprobs = filter_top_p(probs.log(), TOP_P).log_softmax(-1)
     return torch.multinomial(logprobs.exp(), 1, generator=gen).squeeze(-1)
 
 
@@ -77,7 +77,7 @@ def _sampling(sampler: Callable, device: str, dry_run: bool) -> dict[str, Any]:
     gen = torch.Generator(device).manual_seed(0)
     vocab, draws = 64, 4096 if dry_run else 262144
     logits = torch.randn(1, vocab, generator=gen, device=device) * 2
-    exact = _filter_top_p(logits, TOP_P).softmax(-1)[0]
+    exact = filter_top_p(logits, TOP_P).softmax(-1)[0]
     probs = logits.softmax(-1).expand(draws, vocab).contiguous()
     result = {"vocab": vocab, "draws": draws, "top_p": TOP_P}
     for name, fn in (("torch", _torch_top_p), ("other", sampler)):

@@ -3,7 +3,7 @@
 On a random-init model of Qwen2-0.5B's shape (or W3's; a tiny one in a dry run):
 
 - per-token logprob error |lp - lp_fp64| (p50/p90/p99/max, nats) for (a) bf16 trunk + grpod's
-  FP32 chunked head (`engine.loss.token_logprobs`), (b) bf16 trunk + bf16 head (logits and
+  FP32 chunked head (`engine.model.head.token_logprobs`), (b) bf16 trunk + bf16 head (logits and
   log-softmax in bf16), (c) FP32 trunk + FP32 head; the FP64 reference runs a float64 copy;
 - the fraction of targets with FP64 p >= 0.88 whose gradient d lp / d logit_target (= 1 - p)
   comes out exactly 0 in each case;
@@ -28,8 +28,8 @@ import torch
 from common import build_model
 from w3_mfu import W3_MODEL
 
-from grpod.engine.loss import token_logprobs
-from grpod.engine.model import compute_context
+from grpod.engine.model.head import token_logprobs
+from grpod.engine.model.policy import compute_context
 
 QWEN2_05B = dict(
     vocab_size=151936,

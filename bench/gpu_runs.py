@@ -45,7 +45,7 @@ CUBLAS = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 def tests(dry_run: bool) -> dict[str, Any]:
     device = "cpu" if dry_run else "cuda"
     # a dry run runs one small file: the command and the report parse
-    engine = ["tests/engine/test_advantages.py"] if dry_run else ["tests/engine"]
+    engine = ["tests/engine/data/test_advantages.py"] if dry_run else ["tests/engine"]
     with tempfile.TemporaryDirectory() as tmp:
         return {
             "gpu_marked": {"status": "not run in a dry run"}

@@ -33,7 +33,7 @@ def _setup(policy: str, prompt_len: int, args: dict):
     import torch
 
     from grpod.engine.kvcache import KVCacheSpec, default_sinks
-    from grpod.engine.model import build_tiny_qwen2
+    from grpod.engine.model.policy import build_tiny_qwen2
 
     length, new = args["cache_length"], args["new_tokens"]
     model = build_tiny_qwen2(44, prompt_len + new, seed=0)
@@ -54,7 +54,7 @@ def _memory_worker(conn, policy: str, prompt_len: int, args: dict) -> None:
     set_threads()
     import torch
 
-    import grpod.engine.torch_sampler as rollout
+    import grpod.engine.rollout.torch_sampler as rollout
 
     built = []
     for name in ("StaticDecoder", "BoundedDecoder"):  # keep the decoder to measure its cache
@@ -88,7 +88,7 @@ def _seconds(prompt_len: int, args: dict) -> dict[str, float]:
     machine's load drifts; interleaving exposes the three to the same drift)."""
     import torch
 
-    from grpod.engine.torch_sampler import sample
+    from grpod.engine.rollout.torch_sampler import sample
 
     setups = {policy: _setup(policy, prompt_len, args) for policy in POLICIES}
     times: dict[str, list[float]] = {policy: [] for policy in POLICIES}

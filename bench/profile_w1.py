@@ -133,18 +133,18 @@ def phase_medians(engine: Any, step: Callable[[], None], steps: int) -> list[tup
     """Median own seconds per step of each phase of `step()`, largest first."""
     import torch
 
-    import grpod.engine.layout as layout
-    import grpod.engine.trainer as trainer
+    import grpod.engine.grpo.trainer as trainer
+    import grpod.engine.train.layout as layout
 
     try:
-        import grpod.engine.forward_backward as forward_backward
+        import grpod.engine.train.forward_backward as forward_backward
     except ImportError:  # an engine from before the trainer's split
         forward_backward = None
 
     clock = PhaseClock()
     backward = torch.Tensor.backward
     try:
-        import grpod.engine.fused as fused
+        import grpod.engine.model.fused as fused
 
         decoder = fused.StaticDecoder
         clock.wrap(decoder, "__init__", "rollout: decoder setup")
@@ -152,8 +152,8 @@ def phase_medians(engine: Any, step: Callable[[], None], steps: int) -> list[tup
         clock.wrap(decoder, "step", "rollout: decode steps")
     except (ImportError, AttributeError):
         pass
-    # this engine's components (engine/sampling.py, engine/forward_backward.py), or an older
-    # engine's methods of the same names
+    # this engine's components (engine/rollout/sampling.py, engine/train/forward_backward.py),
+    # or an older engine's methods of the same names
     sampling = getattr(engine, "sampling", engine)
     passes = getattr(engine, "forward_backward", engine)
     clock.wrap(sampling, "_sample", "rollout: sampling, cache, other")

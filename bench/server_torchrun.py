@@ -1,4 +1,4 @@
-"""A vLLM server under torchrun (one per node, engine/sampling.py): W1 steps per second of
+"""A vLLM server under torchrun (one per node, engine/rollout/sampling.py): W1 steps per second of
 `grpod run` in one process against `grpod run --nproc-per-node 2` (FSDP2, gloo), both with
 `rollout_backend = "vllm-server"`, at `max_staleness` 0 and 1.
 

@@ -35,8 +35,8 @@ from common import emit, engine_config, peak_rss_mib, run_lockstep, set_threads 
 def worker(conn, backend: str) -> None:
     set_threads()
     from grpod.engine import Engine
-    from grpod.engine.step import decide_step
-    from grpod.engine.trainer import step_seed
+    from grpod.engine.grpo.step import decide_step
+    from grpod.engine.grpo.trainer import step_seed
     from grpod.guards import GuardPolicy
 
     engine = Engine(engine_config("arith", rollout_backend=backend))

@@ -73,7 +73,7 @@ def _head_worker(conn, chunks: int, vocab: int, tokens: int, hidden: int) -> Non
     set_threads()
     import torch
 
-    from grpod.engine.loss import token_logprobs
+    from grpod.engine.model.head import token_logprobs
 
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, hidden, generator=gen, requires_grad=True)

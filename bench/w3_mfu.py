@@ -53,7 +53,7 @@ def matmul_flops_per_s(
 
 def training_flops(engine, batch) -> tuple[float, int]:
     """FLOPs of one training pass over `batch` and the number of tokens the trunk ran."""
-    from grpod.engine.layout import trunk_layout
+    from grpod.engine.train.layout import trunk_layout
 
     cfg = engine.model.config
     hidden, layers = cfg.hidden_size, cfg.num_hidden_layers

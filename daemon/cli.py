@@ -12,13 +12,13 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from grpod.base.fileio import private_umask
 from grpod.daemon.exitcodes import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
 )
-from grpod.fileio import private_umask
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -17,6 +17,9 @@ from grpod.daemon.errors import ConfigError
 from grpod.engine.config import EngineConfig
 from grpod.forensics.config import ForensicsConfig
 from grpod.guards import GuardsConfig
+
+if TYPE_CHECKING:  # the policy is handed over: loading the config loads no guard
+    from grpod.guards import GuardPolicy
 
 try:
     import tomllib
@@ -126,3 +129,22 @@ def describe(exc: ValidationError) -> str:
 
 def _short(value: Any) -> bool:
     return isinstance(value, (int, float, str, bool)) and len(repr(value)) <= 60
+
+
+def reload_guards(
+    config: GrpodConfig, source: str | os.PathLike | None, policy: GuardPolicy, log: Any
+) -> GrpodConfig:
+    """SIGHUP: new guard thresholds from the config file into `policy`; the engine and the
+    forensics settings are never reloaded (a change to them is logged as ignored). Returns
+    the config with the new guards (a bad file: the previous one, and an error event)."""
+    try:
+        fresh = load_config(source)
+    except ConfigError as exc:
+        log.error("reload failed", error=str(exc), kept="previous guards")
+        return config
+    policy.reload(fresh.guards)
+    ignored = [
+        name for name in ("engine", "forensics") if getattr(fresh, name) != getattr(config, name)
+    ]
+    log.info("reloaded", source=str(source), section="guards", ignored_changes=ignored)
+    return config.model_copy(update={"guards": fresh.guards})

@@ -21,12 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from grpod import torchrun
+from grpod.base import torchrun
+from grpod.base.torchrun import rank, world_size  # the daemon's callers read them from here
 from grpod.daemon.errors import ConfigError
 from grpod.engine import TransportBatch
+from grpod.engine.grpo.step import StepResult
 from grpod.engine.report import RankReport
-from grpod.engine.step import StepResult
-from grpod.torchrun import rank, world_size  # the daemon's callers read them from here
 
 T = TypeVar("T")
 
@@ -48,7 +48,7 @@ def agree(resolve: Callable[[], T]) -> T:
         return resolve()
     import torch.distributed as dist
 
-    from grpod.engine.parallel import join
+    from grpod.engine.model.parallel import join
 
     join()
     box: list[Any] = [None]
@@ -69,7 +69,7 @@ def agree_refusal(mine: str | None) -> str | None:
     rank's, named, so every rank says one line and exits 2 together."""
     import torch.distributed as dist
 
-    from grpod.engine.parallel import join
+    from grpod.engine.model.parallel import join
 
     join()
     every: list[str | None] = [None] * world_size()
@@ -102,7 +102,7 @@ def agree_stop(requested: bool) -> bool:
     """True on every rank when a stop was asked of any (the agent signals all of them)."""
     if world_size() == 1:
         return requested
-    from grpod import collectives
+    from grpod.base import collectives
 
     return bool(collectives.all_reduce_max(int(requested)))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from grpod.base.oneline import one_line
 from grpod.engine.errors import EngineError
 
 
@@ -27,3 +28,12 @@ def _collect() -> tuple[type[BaseException], ...]:
 
 
 BAD_INPUT_ERRORS = _collect()
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One line for a failure that is not the input's: an OSError's reason and file
+    (`No space left on device (/var/lib/grpod/run/status.json)`), else the error quoted whole
+    (safetensors' own error type for a failed write)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+    return one_line(exc)

@@ -224,7 +224,7 @@ def precheck(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
     the config, the run dir (a live run holding it too) and `preflight` over the job's world."""
     from grpod.daemon.lock import RunDirLock
     from grpod.daemon.rundir import resolve_plan
-    from grpod.engine.preflight import preflight
+    from grpod.engine.grpo.preflight import preflight
 
     plan = resolve_plan(args.config, args.run_dir, overrides)
     if plan.resume:
@@ -294,7 +294,7 @@ def launch(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
     except Exception as exc:  # the rendezvous (a node that never came): not the input's
-        from grpod.oneline import one_line
+        from grpod.base.oneline import one_line
 
         print(f"grpod run: error: launcher: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILURE

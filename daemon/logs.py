@@ -15,7 +15,7 @@ from typing import TextIO
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
-from grpod.jsonsafe import dumps
+from grpod.base.jsonsafe import dumps
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 

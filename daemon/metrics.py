@@ -24,55 +24,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.metrics_core import Metric
 
-from grpod.engine.verdict import Outcome
+from grpod.daemon.metric_families import FAMILIES, REPORT_GAUGES, STEP_FAMILIES, Family
 
 if TYPE_CHECKING:  # engine.step imports the Engine (torch): a type here, not an import
-    from grpod.engine.step import StepResult
-
-STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8)  # max_staleness is at most 8 (engine config)
-DROP_REASONS = ("stale",)  # engine/ahead.py
-PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-
-# gauge name -> StepReport field (None in the report -> NaN on the gauge)
-REPORT_GAUGES = {
-    "loss": ("loss", "Step loss (sum of token losses / step valid tokens)"),
-    "reward_mean": ("reward_mean", "Mean reward of the step's completions"),
-    "reward_std": ("reward_std", "Population std of the step's rewards"),
-    "kl": ("kl", "Mean per-token KL to the reference (NaN when off)"),
-    "policy_entropy_nats": (
-        "entropy",
-        "Mean per-token entropy of the policy on completion tokens (FP32 head)",
-    ),
-    "valid_tokens": ("valid_tokens", "The engine's step-accumulated valid-token count"),
-    "expected_valid_tokens": ("expected_valid_tokens", "Host-side sum of the loss mask"),
-    "grad_norm": ("grad_norm", "Global gradient norm before clipping"),
-    "clip_coefficient": ("clip_coef", "Gradient clip coefficient min(1, max_norm / norm)"),
-    "learning_rate": ("lr", "Learning rate of the step"),
-    "zero_std_group_fraction": ("zero_std_group_fraction", "Fraction of equal-reward groups"),
-    "sampler_mismatch_p90_nats": ("mismatch_p90", "p90 of |sampler - trainer logprob|"),
-    "sampler_mismatch_p99_nats": ("mismatch_p99", "p99 of |sampler - trainer logprob|"),
-    "sampler_mismatch_fraction": (
-        "mismatch_frac_above_0_1",
-        "Fraction of tokens with |sampler - trainer logprob| > 0.1 nats",
-    ),
-    "step_rollout_staleness_steps": (
-        "staleness",
-        "Weight versions the step's rollout is behind the policy (0: on-policy; NaN: "
-        "max_staleness = 0). The sampler_mismatch gauges of a stale step measure policy drift",
-    ),
-    "weight_version": (
-        "weight_version",
-        "The policy's weight version the step's rollout sampled with (its applied updates)",
-    ),
-    "weight_sync_max_abs_logprob_diff": (
-        "weight_sync_max_abs_logprob_diff",
-        "Largest |sampler - trainer| logprob (nats) of the weight-sync probe after the step's "
-        "push into vLLM (NaN: no separate sampler)",
-    ),
-}
+    from grpod.engine.grpo.step import StepResult
 
 
 class _Labelled:
@@ -91,152 +49,20 @@ class _Labelled:
 
 
 class Metrics(_Labelled):
-    """The daemon's metrics, registered on `registry` (the `grpod_` names of the contracts)."""
+    """The daemon's metrics, registered on `registry` (the `grpod_` names of the contracts):
+    one attribute per `Family` of STEP_FAMILIES and FAMILIES (`self.halted`, ...), and
+    `report_gauges` {StepReport field: gauge} from REPORT_GAUGES."""
 
     def __init__(self, registry: CollectorRegistry, versions: dict[str, str] | None = None):
         super().__init__()
-
-        def gauge(name: str, doc: str, labels: tuple[str, ...] = (), mode: str = "mostrecent"):
-            return Gauge(f"grpod_{name}", doc, labels, registry=registry, multiprocess_mode=mode)
-
-        self.step = gauge("step", "Last finished step", mode="max")
-        self.steps_total = Counter(
-            "grpod_steps_total", "Steps by outcome", ["outcome"], registry=registry
-        )
-        for outcome in Outcome:
-            self.steps_total.labels(outcome)
+        for family in STEP_FAMILIES:
+            setattr(self, family.attr, family.make(registry))
         self.report_gauges = {
-            field: gauge(name, doc) for name, (field, doc) in REPORT_GAUGES.items()
+            field: Family(field, Gauge, name, doc).make(registry)
+            for name, (field, doc) in REPORT_GAUGES.items()
         }
-        self.clip_fraction = gauge("clip_fraction", "PPO clip fraction by side", ("side",))
-        self.kv_evicted = gauge(
-            "kv_cache_evicted_prompt_tokens",
-            "Prompt tokens the bounded rollout cache had evicted by the first completion token, "
-            "summed over the step's completions (NaN: dense cache)",
-        )
-        self.kv_fill = gauge(
-            "kv_cache_fill_ratio", "Fraction of the rollout cache's slots in use after the prefill"
-        )
-        self.kv_slots = gauge(
-            "kv_cache_slots", "Rollout KV cache slots per layer (NaN: dense)", ("policy",)
-        )
-        self.kv_protected = gauge(
-            "kv_cache_protected_tokens",
-            "Rollout cache tokens never evicted: attention sinks, H2O grace period",
-            ("kind",),
-        )
-        # `reward` is one of the config's `rewards` ("module:function"): bounded by the config
-        self.reward_function_mean = gauge(
-            "reward_function_mean", "Mean of one reward function over the step", ("reward",)
-        )
-        self.reward_function_std = gauge(
-            "reward_function_std", "Population std of one reward function", ("reward",)
-        )
-        self.eval_reward = gauge(
-            "eval_reward",
-            "Mean reward of the last held-out evaluation ('total': weighted)",
-            ("reward",),
-        )
-        self.eval_step = gauge("eval_step", "Step of the last held-out evaluation", mode="max")
-        self.correlation = gauge(
-            "gradnorm_vtc_correlation", "Correlation of grad norm with 1/valid tokens (guards)"
-        )
-        self.findings_total = Counter(
-            "grpod_findings_total", "Guard findings", ["guard", "action"], registry=registry
-        )
-        self.incidents_total = Counter(
-            "grpod_incidents_total",
-            "Incidents opened by the flight recorder (one per episode of a finding)",
-            registry=registry,
-        )
-        self.incident_steps_total = Counter(
-            "grpod_incident_steps_total",
-            "Recorded steps with the finding of an incident's episode",
-            registry=registry,
-        )
-        self.incidents_open = gauge("incidents_open", "Incidents whose episode is still open")
-        self.phase_seconds = Histogram(
-            "grpod_phase_duration_seconds",
-            "Duration of each phase of a step",
-            ["phase"],
-            buckets=PHASE_BUCKETS,
-            registry=registry,
-        )
-        self.weight_sync_seconds = Histogram(
-            "grpod_weight_sync_seconds",
-            "Seconds of a weight sync into the sampler (vLLM's push, or the sharded run's "
-            "rollout copy) and its check",
-            buckets=PHASE_BUCKETS,
-            registry=registry,
-        )
-        # async steps (engine/ahead.py); an on-policy step's staleness is 0
-        self.rollout_staleness = Histogram(
-            "grpod_rollout_staleness_steps",
-            "Weight versions between the policy that sampled a trained batch and the policy "
-            "that trains on it (0: on-policy)",
-            buckets=STALENESS_BUCKETS,
-            registry=registry,
-        )
-        self.rollout_dropped_total = Counter(
-            "grpod_rollout_dropped_total",
-            "Rollouts dropped instead of trained on (stale: older than max_staleness)",
-            ["reason"],
-            registry=registry,
-        )
-        for reason in DROP_REASONS:
-            self.rollout_dropped_total.labels(reason)
-        self.rollout_overlap_seconds_total = Counter(
-            "grpod_rollout_overlap_seconds_total",
-            "Seconds of rollout sampling that ran while the trainer worked (async steps with "
-            "a vllm-server)",
-            registry=registry,
-        )
-        self.completion_tokens_total = Counter(
-            "grpod_completion_tokens_total", "Completion tokens sampled", registry=registry
-        )
-        self.completions_total = Counter(
-            "grpod_completions_total", "Completions sampled", registry=registry
-        )
-        self.last_step_timestamp = gauge(
-            "last_step_timestamp_seconds", "Unix time the last step finished", mode="max"
-        )
-        self.recorder_queue_depth = gauge("recorder_queue_depth", "Steps waiting to be recorded")
-        self.recorder_uncommitted_steps = gauge(
-            "recorder_uncommitted_steps",
-            "Steps taken by the recorder's writer and not yet committed (group commit)",
-        )
-        self.recorder_blocked_total = Counter(
-            "grpod_recorder_blocked_total",
-            "Steps that waited on a full recorder queue",
-            registry=registry,
-        )
-        self.retained_bytes = gauge(
-            "retained_bytes", "Bytes of checkpoints, batches and store kept after retention"
-        )
-        self.retention_over_budget_bytes = gauge(
-            "retention_over_budget_bytes",
-            "Bytes the run dir peaked over retention_bytes at the last checkpoint (0 = within)",
-        )
-        self.pruned_bytes_total = Counter(
-            "grpod_pruned_bytes_total", "Bytes retention freed", registry=registry
-        )
-        self.pruned_total = Counter(
-            "grpod_pruned_total",
-            "Checkpoints and batch blobs retention deleted",
-            ["kind"],
-            registry=registry,
-        )
-        for kind in ("checkpoint", "batch"):
-            self.pruned_total.labels(kind)
-        # under torchrun: the loss divisor (each rank's own numbers: RankMetrics)
-        self.global_valid_tokens = gauge(
-            "global_valid_tokens", "The step's valid tokens over every rank (the loss divisor)"
-        )
-        self.halted = gauge("halted", "1 once a HALT verdict stopped the run", mode="max")
-        self.verdict_action = gauge("verdict_action", "Last verdict: 0 PASS .. 3 HALT")
-        self.build_info = gauge(
-            "build_info", "grpod build", ("version", "torch", "transformers"), mode="max"
-        )
+        for family in FAMILIES:
+            setattr(self, family.attr, family.make(registry))
         if versions:
             self.build_info.labels(
                 versions.get("grpod", ""),

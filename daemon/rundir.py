@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpod.base.fileio import atomic_dir, private_umask, write_atomic
 from grpod.daemon.config import DEFAULT_ROOT, GrpodConfig, load_config, validate
 from grpod.daemon.errors import ConfigError
 from grpod.daemon.example import dump_toml
 from grpod.daemon.lock import RunDirLock
+from grpod.engine.data.inputs import absolute, check_inputs, input_digests
 from grpod.engine.errors import EngineError
-from grpod.engine.inputs import absolute, check_inputs, input_digests
-from grpod.fileio import atomic_dir, private_umask, write_atomic
 
 CONFIG_NAME = "config.toml"
 RUN_NAME = "run.json"
@@ -78,7 +78,7 @@ class RunDir:
                     "run_id": run_id,
                     "created_at": time.time(),
                     "config": CONFIG_NAME,
-                    "inputs": input_digests(config.engine),  # engine/inputs.py
+                    "inputs": input_digests(config.engine),  # engine/data/inputs.py
                     **({"trainer": trainer} if trainer != "grpod" else {}),
                 }
                 (tmp / RUN_NAME).write_text(json.dumps(record) + "\n", encoding="utf-8")

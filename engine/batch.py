@@ -18,10 +18,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from grpod.base.fileio import atomic_file
 from grpod.engine.errors import EngineError
 from grpod.engine.kvcache import CacheStats, KVCacheSpec
 from grpod.engine.weight_sync import WeightSyncCheck
-from grpod.fileio import atomic_file
 
 TOKEN_FIELDS: dict[str, torch.dtype] = {
     "input_ids": torch.int64,
@@ -66,7 +66,7 @@ class TransportBatch:
     kv_cache_stats: CacheStats | None = None  # that cache after the prefill
     # `[engine] rewards`: each function's value per sample (the rewards are their weighted sum)
     function_rewards: dict[str, list[float]] = field(default_factory=dict)
-    # under torchrun (engine/parallel.py): whose batch, or the step's global batch (`concat`)
+    # under torchrun (engine/model/parallel.py): whose batch, or the step's global batch (`concat`)
     rank: int = 0
     world_size: int = 1
     rank_micros: tuple[int, ...] = ()  # a global batch: each rank's micros, in rank order
@@ -75,7 +75,7 @@ class TransportBatch:
     # batch recorded before versions), and the weight-sync check of a separate sampler (vLLM)
     weight_version: int | None = None
     weight_sync: WeightSyncCheck | None = None
-    # max_staleness > 0 (engine/ahead.py): the policy's version when this batch trains minus
+    # max_staleness > 0 (engine/rollout/ahead.py): the policy's version when this batch trains minus
     # `weight_version`; None for an on-policy step (0 by construction)
     staleness: int | None = None
     # a trainer whose rows are [left-padded prompt | right-padded completion] (TRL): each

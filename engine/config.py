@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from grpod import torchrun
+from grpod.base import torchrun
 from grpod.engine.errors import EngineError
 from grpod.engine.kvcache import KVCacheSpec, default_sinks
 
@@ -231,7 +231,7 @@ class EngineConfig(BaseModel):
     device: str = Field(
         "cpu", pattern=r"^(cpu|cuda(:\d+)?|auto)$", description="cpu | cuda[:N] | auto"
     )
-    # held-out evaluation (engine/eval.py): never touches the policy or the data cursor
+    # held-out evaluation (engine/grpo/eval.py): never touches the policy or the data cursor
     eval_task: str = Field("", description="arith | copy | kv-retrieval | a JSONL file; '' = off")
     eval_every: int = Field(0, ge=0, description="evaluate every K steps; 0 = never")
     eval_samples: int = Field(16, ge=1, description="prompts per evaluation, one completion each")
@@ -268,7 +268,7 @@ class EngineConfig(BaseModel):
     adam_betas: tuple[float, float] = Field((0.9, 0.999), strict=False)  # TOML has no tuples
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
-    # scale-out (engine/parallel.py)
+    # scale-out (engine/model/parallel.py)
     parallel: Literal["auto", "fsdp2", "ddp", "none"] = Field(
         "auto", description="auto = fsdp2 under torchrun (WORLD_SIZE > 1), else none"
     )

@@ -11,7 +11,7 @@ class EngineError(Exception):
 
 class RewardError(EngineError):
     """A reward function that raised, hung past `reward_timeout_seconds` or returned no real
-    number (in preflight: no finite one, engine/rewardcall.py `NonFinite`): the input's
+    number (in preflight: no finite one, engine/data/rewardcall.py `NonFinite`): the input's
     fault (exit 2), never a restart. `sample` is the failing completion's index in the
     step's batch; `batch` is set by the rollout that met it (the step's samples with NaN
     rewards, for the incident that keeps them)."""

@@ -1,4 +1,4 @@
-"""Drill faults as hooks: each known failure of `DESIGN.md`, injected on purpose.
+"""Drill faults as hooks: each known failure (docs/ARCHITECTURE.md), injected on purpose.
 
 The engine calls every hook on every step; with the default `FaultsConfig` each returns its
 input untouched, so the trainer's step has no fault branches. `grpod drill` turns one on
@@ -11,8 +11,8 @@ import warnings
 
 import torch
 
+from grpod.base.collectives import local
 from grpod.engine.config import FaultsConfig
-from grpod.engine.parallel import local
 from grpod.engine.weight_sync import PushFaults
 
 SENTINEL_LOGPROB = -9999.0  # what some backends write for a missing sampler logprob
@@ -96,7 +96,7 @@ class Faults:
 
     def early_rollout(self, step: int) -> bool:
         """stale-rollout: step `step`'s rollout is launched one step before the
-        max_staleness window reaches it (engine/ahead.py), so it arrives a version too old."""
+        max_staleness window reaches it (engine/rollout/ahead.py): it arrives a version too old."""
         return step in self._steps["stale-rollout"]
 
     def grads(self, step: int, grads: list[torch.Tensor]) -> None:

@@ -1,6 +1,6 @@
 """Bounded KV-cache policies for long-context rollouts: the settings and the prefill chunks.
 
-A rollout through `engine.kvdecoder.BoundedDecoder` keeps `length` key/value slots per layer
+A rollout through `engine.model.kvdecoder.BoundedDecoder` keeps `length` key/value slots per layer
 whatever the prompt length. When a chunk of new tokens needs room, the policy evicts:
 
 - `lastrec` (StreamingLLM): the oldest tokens, except the first `sinks` (attention sinks:
@@ -11,7 +11,7 @@ whatever the prompt length. When a chunk of new tokens needs room, the policy ev
 A prompt longer than the cache is prefilled in chunks of at most `length - protected`
 tokens (`chunk_cap`), so a chunk always fits beside the protected slots. For `lastrec` the
 keys a query saw are a function of its position, the prompt length and these settings
-alone (`engine.kvmask.lastrec_visible`): the trainer builds the same visibility into its
+alone (`engine.train.kvmask.lastrec_visible`): the trainer builds the same visibility into its
 attention mask, so it scores what was sampled. For `h2o` they depend on the scores of
 every layer and head; the trainer scores with full attention and the step needs truncated
 importance sampling (`tis_cap > 0`, checked by `EngineConfig`).

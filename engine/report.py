@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from grpod.jsonsafe import from_json, to_json
+from grpod.base.jsonsafe import from_json, to_json
 
 
 @dataclass
@@ -100,7 +100,7 @@ class StepReport:
     entropy: float | None = None
     # `[engine] rewards`: each function's {"mean", "std"} over the step's completions
     reward_functions: dict[str, dict[str, float]] = field(default_factory=dict)
-    # scale-out (engine/parallel.py); one process: rank 0 of 1, global == local
+    # scale-out (engine/model/parallel.py); one process: rank 0 of 1, global == local
     rank: int = 0
     world_size: int = 1
     global_valid_tokens: int | None = None  # Σ over ranks of valid_tokens: the loss divisor

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import Any, Literal
 
-from grpod.jsonsafe import to_json
+from grpod.base.jsonsafe import to_json
 
 ActionName = Literal["PASS", "WARN", "FLUSH", "HALT"]
 

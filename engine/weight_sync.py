@@ -10,7 +10,7 @@ is used, the sampler scores one fixed probe and the trainer scores the same toke
   show here: an un-reset cache after a sync), then the probe's own prompt logprobs, which
   bypass that cache (wrong weights show here);
 - the trainer computes its FP32-head logprobs of the probe and that continuation at
-  temperature 1 (`engine.layout.sequence_logprobs`; the probe's requests sample at
+  temperature 1 (`engine.model.head.sequence_logprobs`; the probe's requests sample at
   temperature 1, top-p 1, so the sampler's processed logprobs are its raw ones), and
   `compare` takes the largest absolute difference.
 
@@ -99,7 +99,7 @@ def compare(
     dtype: str,
 ) -> WeightSyncCheck:
     """The check from the sampler's `scores` and the trainer's logprobs of `probe +
-    scores.continuation` (`engine.layout.sequence_logprobs`): position p is token p of
+    scores.continuation` (`engine.model.head.sequence_logprobs`): position p is token p of
     that sequence."""
     sampler = torch.tensor(
         scores.prompt_logprobs + scores.continuation_logprobs, dtype=torch.float32

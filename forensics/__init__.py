@@ -2,10 +2,10 @@
 
 Depends on engine types only; nothing here imports daemon or guards.
 
-Public names are imported on first use (grpod/lazy.py), so a light submodule loads alone.
+Public names are imported on first use (grpod/base/lazy.py), so a light submodule loads alone.
 """
 
-from grpod.lazy import lazy_exports
+from grpod.base.lazy import lazy_exports
 
 __all__ = [
     "BlobStore",

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save
 
-from grpod.fileio import fsync
+from grpod.base.fileio import fsync
+from grpod.base.oneline import first_line
 from grpod.forensics.errors import ForensicsError
 
 BLOB_DIR = Path("blobs") / "sha256"
@@ -187,7 +188,7 @@ class BlobStore:
         except Exception as exc:  # safetensors raises bare errors on damaged headers
             raise ForensicsError(
                 f"blob {digest}: digest check failed, {where} is not valid safetensors "
-                f"({_first_line(exc)})"
+                f"({first_line(exc)})"
             ) from None
         actual = canonical_digest(tensors, metadata)
         if actual != digest:
@@ -208,7 +209,3 @@ def _metadata(data: bytes) -> dict[str, str]:
     (length,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + length])
     return dict(header.get("__metadata__", {}) or {})
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

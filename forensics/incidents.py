@@ -8,8 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from grpod.base.fileio import atomic_dir
 from grpod.engine import EngineError, TransportBatch
-from grpod.fileio import atomic_dir
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Incident, Step

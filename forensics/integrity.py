@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm.exc import ObjectDeletedError
 
-from grpod.engine.distcp import problems
+from grpod.engine.state.distcp import problems
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Step, StepRank

@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from grpod.base.jsonsafe import from_json, to_json
 from grpod.forensics.models import StepRank
-from grpod.jsonsafe import from_json, to_json
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import insert, select
 
+from grpod.base.jsonsafe import from_json, to_json
 from grpod.engine import StepReport, TransportBatch
 from grpod.forensics.blobs import BlobStore, StagedBlob
 from grpod.forensics.config import ForensicsConfig
@@ -39,10 +40,9 @@ from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Eval, Run, Step, StepRank
 from grpod.forensics.ranks import rank_columns
 from grpod.forensics.store import Store
-from grpod.jsonsafe import from_json, to_json
 
-if TYPE_CHECKING:  # engine.step imports the Engine (torch, transformers): types only here
-    from grpod.engine.step import StepResult
+if TYPE_CHECKING:  # engine.grpo.step imports the Engine (torch, transformers): types only here
+    from grpod.engine.grpo.step import StepResult
 
 WRITER_NICE = 10  # the writer thread's niceness (a lower priority than the trainer's)
 HOLD_BYTES = 64 * 1024**2  # batch bytes a commit group may hold in memory before staging them

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from grpod.base.jsonsafe import from_json, to_json
 from grpod.engine import (
     ChunkTrace,
     Engine,
@@ -40,11 +41,11 @@ from grpod.engine import (
     EngineError,
     StepReport,
     TransportBatch,
-    distcp,
 )
 from grpod.engine.context import ExecutionContext
-from grpod.engine.inputs import without_reward_code
-from grpod.engine.step import decide_step
+from grpod.engine.data.inputs import without_reward_code
+from grpod.engine.grpo.step import decide_step
+from grpod.engine.state import distcp
 from grpod.engine.verdict import Action, Finding, Outcome, Verdict
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.compare import REPLAY_RTOL, bit_equal, close, topology
@@ -53,7 +54,6 @@ from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Blob, Checkpoint, Step
 from grpod.forensics.ranks import RankRecord
 from grpod.forensics.store import Store
-from grpod.jsonsafe import from_json, to_json
 
 COMPARED = ("valid_tokens", "loss", "grad_norm")
 
@@ -89,7 +89,9 @@ class ReplayResult:
 
 
 @dataclass
-class _Planned:
+class PlannedStep:
+    """One recorded step of a replay's plan (`replay_plan`), loaded and verified."""
+
     row: Step
     report: StepReport
     batch: TransportBatch
@@ -114,7 +116,7 @@ def replay(
     store = Store(run_dir, store_url, create=False)
     try:
         store.check_schema()
-        config, versions, checkpoint, plan = _plan(store, step, incident_id)
+        config, versions, checkpoint, plan = replay_plan(store, step, incident_id)
         recorded_rank = None if rank is None else _rank_of(plan[-1], rank)
         process = ExecutionContext.capture()  # set again when the replay ends
         engine = _restore(store, config, checkpoint)
@@ -192,9 +194,9 @@ def replay(
     )
 
 
-def _plan(
+def replay_plan(
     store: Store, step: int | None, incident_id: int | None
-) -> tuple[dict[str, Any], dict[str, str], Checkpoint, list[_Planned]]:
+) -> tuple[dict[str, Any], dict[str, str], Checkpoint, list[PlannedStep]]:
     """The run's config and software versions, the checkpoint, and every step from it to
     the target, verified."""
     blobs = BlobStore(store.run_dir)
@@ -269,17 +271,17 @@ def _pruned(
     )
 
 
-def _load(blobs: BlobStore, row: Step, blob: Blob) -> _Planned:
+def _load(blobs: BlobStore, row: Step, blob: Blob) -> PlannedStep:
     tensors, metadata = blobs.read(row.batch_digest, blob.data)
     try:
         batch = TransportBatch.from_tensors(tensors, metadata, source=f"blob {row.batch_digest}")
     except EngineError as exc:
         raise ForensicsError(str(exc)) from None
     report = StepReport.from_dict(json.loads(row.report_json))
-    return _Planned(row, report, batch, recorded_context(row.context_json))
+    return PlannedStep(row, report, batch, recorded_context(row.context_json))
 
 
-def _note(target: _Planned, versions: dict[str, str], rank: int | None, steps: int) -> str:
+def _note(target: PlannedStep, versions: dict[str, str], rank: int | None, steps: int) -> str:
     """Why the comparison may say less than usual: a skipped target, other software where
     the steps have no recorded execution context (`ReplayResult.context` says the rest)."""
     notes = []
@@ -327,7 +329,7 @@ def _restore(store: Store, config: dict[str, Any], checkpoint: Checkpoint) -> En
 
 
 def _rerun(
-    engine: Engine, item: _Planned, compute_skipped: bool, part: int | None, alone: bool
+    engine: Engine, item: PlannedStep, compute_skipped: bool, part: int | None, alone: bool
 ) -> StepReport | None:
     """Run one recorded step as it was decided; a skipped step computes nothing (None) unless
     it is the target, which is computed and flushed to show what it would have done. `part`:
@@ -385,7 +387,7 @@ def as_run(batch: TransportBatch, micro_order: list[int]) -> TransportBatch:
     return batch if order == identity else batch.reorder(order)
 
 
-def _rank_of(target: _Planned, rank: int) -> RankRecord:
+def _rank_of(target: PlannedStep, rank: int) -> RankRecord:
     """Rank `rank`'s record of the target step (its `step_ranks` row)."""
     for record in target.ranks:
         if record.rank == rank:

@@ -1,6 +1,6 @@
 """Which checkpoint `grpod run` resumes from, and which it passes over (fsck says the same).
 
-The newest checkpoint the store noted that is complete (engine/distcp.py `problems`: every
+The newest checkpoint the store noted that is complete (engine/state/distcp.py `problems`: every
 file there and whole, headers valid, state.json parsed, DCP metadata matching its shards).
 A newer one that is missing or damaged is passed over with its reason; resume then re-runs
 the steps after the one chosen (recorded as re-runs), so nothing is trained on a damaged part.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grpod.engine.distcp import problems
+from grpod.engine.state.distcp import problems
 from grpod.forensics.store import NotedCheckpoint
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from sqlalchemy import delete, select
 
+from grpod.base.fileio import atomic_file
 from grpod.forensics.blobs import TEMP_PREFIX, BlobStore
 from grpod.forensics.models import Blob, Checkpoint, Incident, Step
 from grpod.forensics.store import Store
@@ -234,10 +235,9 @@ def link_unchanged(new: Path, previous: Path) -> int:
             continue
         if _sha256(file) != _sha256(old):
             continue
-        tmp = file.with_name(f".{file.name}.link-{os.getpid()}")
-        tmp.unlink(missing_ok=True)
-        os.link(old, tmp)
-        os.replace(tmp, file)
+        with atomic_file(file, durable=False) as tmp:  # the link built beside, renamed over
+            tmp.unlink(missing_ok=True)
+            os.link(old, tmp)
         saved += file.stat().st_size
     return saved
 

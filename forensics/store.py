@@ -20,6 +20,7 @@ from sqlalchemy import Engine, create_engine, event, func, inspect, make_url, se
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from grpod.base.oneline import first_line
 from grpod.forensics.config import PASSWORD_REFUSED, has_password, run_dir_config
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import Checkpoint, Eval, Incident, Run, Step, StepRank
@@ -143,7 +144,7 @@ class Store:
             held = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()
             conn.commit()
         except SQLAlchemyError as exc:
-            raise ForensicsError(f"store {self.label}: {_one_line(exc)}") from None
+            raise ForensicsError(f"store {self.label}: {_driver_message(exc)}") from None
         if not held:
             conn.close()
             raise ForensicsError(
@@ -161,7 +162,7 @@ class Store:
                 session.commit()
             except SQLAlchemyError as exc:
                 session.rollback()
-                raise ForensicsError(f"store {self.label}: {_one_line(exc)}") from None
+                raise ForensicsError(f"store {self.label}: {_driver_message(exc)}") from None
             except BaseException:
                 session.rollback()
                 raise
@@ -182,7 +183,7 @@ class Store:
                     return None
                 return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
         except SQLAlchemyError as exc:
-            raise ForensicsError(f"store {self.label}: {_one_line(exc)}") from None
+            raise ForensicsError(f"store {self.label}: {_driver_message(exc)}") from None
 
     def head(self) -> str:
         return self._alembic()[1].get_current_head()
@@ -213,7 +214,9 @@ class Store:
                 config.attributes["connection"] = conn
                 command.upgrade(config, "head")
         except SQLAlchemyError as exc:
-            raise ForensicsError(f"store {self.label}: upgrade failed: {_one_line(exc)}") from None
+            raise ForensicsError(
+                f"store {self.label}: upgrade failed: {_driver_message(exc)}"
+            ) from None
         return self.head()
 
     def check_schema(self) -> None:
@@ -240,7 +243,7 @@ class Store:
                 pragma = "quick_check" if quick else "integrity_check"
                 rows = [str(r[0]) for r in conn.exec_driver_sql(f"PRAGMA {pragma}")]
         except SQLAlchemyError as exc:
-            return [f"store {self.label}: {_one_line(exc)}"]
+            return [f"store {self.label}: {_driver_message(exc)}"]
         if rows == ["ok"]:
             return []
         more = f" (+{len(rows) - 3} more)" if len(rows) > 3 else ""
@@ -481,5 +484,6 @@ def _without_password(url: str) -> str:
         return "<unparsable store URL>"
 
 
-def _one_line(exc: BaseException) -> str:
-    return str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+def _driver_message(exc: BaseException) -> str:
+    """The first line of what the database driver said (SQLAlchemy's `orig`), or of `exc`."""
+    return first_line(getattr(exc, "orig", None) or exc)

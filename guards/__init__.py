@@ -1,13 +1,13 @@
 """Health rules that intercept bad steps before their update is applied.
 
 Guards read only `TransportBatch` and `StepReport` (engine types); `GuardPolicy` combines their
-findings into one `Verdict`, as the `StepPolicy` of `grpod.engine.step.decide_step`;
+findings into one `Verdict`, as the `StepPolicy` of `grpod.engine.grpo.step.decide_step`;
 `run_drill` injects a known fault into the real engine and checks that it is intercepted.
 
-Public names are imported on first use (grpod/lazy.py), so a light submodule loads alone.
+Public names are imported on first use (grpod/base/lazy.py), so a light submodule loads alone.
 """
 
-from grpod.lazy import lazy_exports
+from grpod.base.lazy import lazy_exports
 
 __all__ = [
     "DRILLS",

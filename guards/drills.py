@@ -28,7 +28,7 @@ from grpod.guards.config import GuardsConfig, as_config
 from grpod.guards.errors import GuardsError
 
 if TYPE_CHECKING:
-    from grpod.engine.step import StepResult
+    from grpod.engine.grpo.step import StepResult
 
 W1_SMALL = dict(task="arith", prompts_per_step=4, group_size=4)
 # W1c with one completion token (its reward reads only the first token), which is cheaper;
@@ -136,7 +136,7 @@ class _Tally:
         self, label: str, engine_config: EngineConfig, steps: int, injected: set[int]
     ) -> None:
         from grpod.engine import Engine  # torch: not for listing DRILLS
-        from grpod.engine.step import decide_step
+        from grpod.engine.grpo.step import decide_step
         from grpod.guards.policy import GuardPolicy
 
         with warnings.catch_warnings():  # the engine warns loudly that faults are on: we know

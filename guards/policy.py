@@ -1,5 +1,5 @@
 """`GuardPolicy` combines the guards' findings into one verdict: the `StepPolicy` under which
-`grpod.engine.step.decide_step` decides a step's update.
+`grpod.engine.grpo.step.decide_step` decides a step's update.
 
 Order is fixed: weight_sync and reorder (before), accounting, finite,
 gradnorm_vtc_correlation, spike, advantage, sampler_mismatch, clip, dead_campaign,
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from grpod import collectives
+from grpod.base import collectives
+from grpod.base.collectives import local
 from grpod.engine import StepReport, TransportBatch
-from grpod.engine.parallel import local
 from grpod.guards.accounting import AccountingGuard
 from grpod.guards.advantage import AdvantageGuard
 from grpod.guards.base import Guard

@@ -43,7 +43,6 @@ def build_hf_dir(
     `pad_token=None` leaves the tokenizer without a pad token; `model_vocab_size` smaller than
     the tokenizer's makes its special ids fall outside the model's embedding (a bad input).
     """
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         GenerationConfig,
@@ -51,6 +50,8 @@ def build_hf_dir(
         Qwen2Config,
         Qwen2ForCausalLM,
     )
+
+    from grpod.engine.model.policy import seeded
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -89,9 +90,7 @@ def build_hf_dir(
         pad_token_id=pad_id,
         bos_token_id=None,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).float()
+    model = seeded(lambda: Qwen2ForCausalLM(config), seed).float()
     model.generation_config = GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id)
     where.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(where, safe_serialization=True)

@@ -3,7 +3,12 @@
 - no import cycle among the `grpod.*` modules, counting every import a reader follows
   (module level, `TYPE_CHECKING` and function-level ones; a lazily exported package name
   counts as its defining module);
-- only `forensics/` (and its tests) imports SQLAlchemy: everyone else asks `Store`.
+- only `forensics/` (and its tests) imports SQLAlchemy: everyone else asks `Store`;
+- no private name (one leading underscore) crosses a package outside the tests;
+- no file of `daemon/` (its subpackages included) is over 400 lines.
+
+The layers themselves (what each package may import) are import-linter's contracts in
+pyproject.toml, which `make lint` checks (scripts/lint_imports.py; docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".venv", "var", "build", "dist", "node_modules", "__pycache__"}
 SQL_PACKAGES = {"sqlalchemy", "alembic"}  # alembic is SQLAlchemy's migrations: forensics' too
 SQL_ALLOWED = ("forensics", "tests/forensics")  # directories, relative to the root
+DAEMON_MAX_LINES = 400  # STYLE.md: a file is a room a reader can hold
 
 
 def package_dirs() -> dict[str, Path]:
@@ -155,10 +161,12 @@ def test_the_walk_sees_the_layering() -> None:
     """The graph is read right: real edges (module-level, lazy-export and function-level) are
     there, and nothing imports the daemon."""
     graph = import_graph()
-    assert "grpod.engine.step" in graph["grpod.guards.drills"]  # TYPE_CHECKING
-    assert "grpod.engine.trainer" in graph["grpod.daemon.loop"]  # `from grpod.engine import Engine`
+    assert "grpod.engine.grpo.step" in graph["grpod.guards.drills"]  # TYPE_CHECKING
+    assert (
+        "grpod.engine.grpo.trainer" in graph["grpod.daemon.loop"]
+    )  # `from grpod.engine import Engine`
     assert "grpod.forensics.store" in graph["grpod.daemon.commands.status"]  # in a function
-    assert "grpod.fileio" in graph["grpod.engine.batch"]
+    assert "grpod.base.fileio" in graph["grpod.engine.batch"]
     # two front ends run a training process: the daemon, and grpod.integrations (another
     # trainer's loop under grpod's guards, which uses the daemon's metrics, run dir and health
     # server); nothing else imports either, and only the CLI's replay reaches integrations
@@ -197,3 +205,88 @@ def test_only_forensics_imports_sqlalchemy() -> None:
 def test_the_sqlalchemy_walk_sees_a_function_level_import(tmp_path: Path) -> None:
     tree = ast.parse("def f():\n    from sqlalchemy.orm import Session\n    import alembic\n")
     assert [b for b, _ in imported_names(tree, "", False)] == ["sqlalchemy.orm", "alembic"]
+
+
+def module_package(name: str, modules: dict[str, Path]) -> str:
+    """The package a project module belongs to (a package `__init__` is its own)."""
+    return name if modules[name].name == "__init__.py" else name.rpartition(".")[0]
+
+
+def crossings_in(tree: ast.AST, where: str, mine: str, modules: dict[str, Path]) -> list[str]:
+    """`where: module._name` for each private name (one leading underscore) the code of
+    package `mine` takes from a module of another package: `from grpod.x import _name`, or
+    `_name` read off a module imported from another package."""
+    found = []
+    bound: dict[str, str] = {}  # a local name -> the project module it is
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module in modules:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in modules:
+                    bound[alias.asname or alias.name] = full
+                elif alias.name.startswith("_") and module_package(node.module, modules) != mine:
+                    found.append(f"{where}: {full}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules and alias.asname:
+                    bound[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+            and module_package(bound[node.value.id], modules) != mine
+        ):
+            found.append(f"{where}: {bound[node.value.id]}.{node.attr}")
+    return found
+
+
+def private_crossings() -> list[str]:
+    """Every private name that crosses a package. Tests may reach into what they test; the
+    packages, bench/ and scripts/ may not."""
+    modules = project_modules()
+    module_of = {path.resolve(): name for name, path in modules.items()}
+    found = []
+    for path in python_files():
+        where = path.relative_to(ROOT).as_posix()
+        if where.startswith("tests/"):
+            continue
+        me = module_of.get(path.resolve())
+        mine = module_package(me, modules) if me else where.split("/")[0]
+        found += crossings_in(ast.parse(path.read_text(), str(path)), where, mine, modules)
+    return sorted(set(found))
+
+
+def test_no_private_name_crosses_a_package() -> None:
+    assert private_crossings() == []
+
+
+def test_the_private_walk_sees_both_forms() -> None:
+    """A `from` import of a private name and a private attribute of an imported module count
+    across packages, and not inside one."""
+    modules = project_modules()
+    tree = ast.parse(
+        "import grpod.engine.batch as b\n"
+        "from grpod.forensics.replay import _x\n"
+        "from grpod.engine import report\n"
+        "b._y, report._z, b.__name__\n"
+    )
+    assert crossings_in(tree, "f", "grpod.guards", modules) == [
+        "f: grpod.forensics.replay._x",
+        "f: grpod.engine.batch._y",
+        "f: grpod.engine.report._z",
+    ]
+    assert crossings_in(tree, "f", "grpod.engine", modules) == ["f: grpod.forensics.replay._x"]
+
+
+def test_no_daemon_file_is_over_400_lines() -> None:
+    """`daemon/` grew a 667-line loop once: its jobs are modules now, and stay so."""
+    daemon = package_dirs()["grpod.daemon"]
+    sizes = {
+        p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines())
+        for p in daemon.rglob("*.py")
+    }
+    assert {path: n for path, n in sizes.items() if n > DAEMON_MAX_LINES} == {}
+    assert "daemon/loop.py" in sizes  # the walk sees the package

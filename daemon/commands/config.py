@@ -30,7 +30,7 @@ def _check(args: argparse.Namespace) -> int:
 
     from grpod.daemon.config import load_config
     from grpod.daemon.errors import BAD_INPUT_ERRORS
-    from grpod.engine.preflight import preflight
+    from grpod.engine.grpo.preflight import preflight
 
     bad = 0
     for file in args.files:

@@ -34,7 +34,7 @@ def _export(args: argparse.Namespace) -> int:
     from grpod.daemon.config import load_config
     from grpod.daemon.errors import ConfigError
     from grpod.daemon.rundir import existing_run_dir
-    from grpod.engine.export import export_pretrained
+    from grpod.engine.state.export import export_pretrained
 
     run = existing_run_dir(args.run_dir)  # store_url: config.toml's
     config = load_config(run.config_path)

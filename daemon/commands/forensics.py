@@ -235,7 +235,7 @@ def _decoded(config: dict[str, Any], batch: Any, limit: int | None) -> tuple[lis
     """A batch's first `limit` samples as text with the run's tokenizer, or ([], why not): a
     tokenizer that is gone must not hide the incident itself."""
     from grpod.engine import EngineConfig, EngineError
-    from grpod.engine.samples import decode_samples, run_tokenizer
+    from grpod.engine.grpo.samples import decode_samples, run_tokenizer
 
     try:
         engine = EngineConfig.model_validate(config.get("engine", {}))

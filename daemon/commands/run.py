@@ -92,7 +92,7 @@ def _plan(args: argparse.Namespace, overrides: dict):
         plan.run_dir.held = None  # rank 0's lock: its descriptor means nothing here
     if distributed.world_size() > 1:  # every rank's metrics through the node's files
         distributed.use_multiprocess_metrics(plan.run_dir.path)
-    from grpod.engine.preflight import preflight
+    from grpod.engine.grpo.preflight import preflight
 
     preflight(plan.config.engine)  # before anything is created: EngineError -> exit 2
     return plan

@@ -12,7 +12,7 @@
         sys.exit(halt.exit_code)  # 3, as `grpod run`'s HALT
 
 Each optimizer step's micro-batches become one `TransportBatch` and its results a
-`StepReport` (trl_batch.py); `grpod.engine.step.decide_step` runs the guards on them and the
+`StepReport` (trl_batch.py); `grpod.engine.grpo.step.decide_step` runs the guards on them and the
 optimizer's `step()` applies or declines (trl_optim.py): a FLUSH runs neither
 `optimizer.step()` nor `lr_scheduler.step()`, so weights, AdamW state and the schedule
 position are bit-identical. TRL's `state.global_step` still advances on a flushed step (it
@@ -42,9 +42,9 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from grpod.daemon.exitcodes import EXIT_HALT
-from grpod.daemon.loop import _device, _versions
+from grpod.daemon.runinfo import device_name, software_versions
+from grpod.engine.grpo.step import StepResult, decide_step
 from grpod.engine.report import StepReport
-from grpod.engine.step import StepResult, decide_step
 from grpod.engine.verdict import Action, Outcome
 from grpod.forensics.config import ForensicsConfig
 from grpod.guards.config import GuardsConfig
@@ -140,8 +140,8 @@ class GuardedGRPOTrainer(GRPOTrainer):
         self.grpod_sink.start(
             self.processing_class,
             trl_config(self.args),
-            _versions(),
-            _device(self.accelerator.device),
+            software_versions(),
+            device_name(self.accelerator.device),
         )
         if isinstance(resume_from_checkpoint, str):
             load_guards(self.grpod_policy, resume_from_checkpoint)

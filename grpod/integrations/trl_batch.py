@@ -19,6 +19,7 @@ import torch
 from grpod.engine.batch import TransportBatch
 from grpod.engine.errors import EngineError
 from grpod.engine.report import StepReport
+from grpod.engine.train.stats import clip_coefficient, mismatch_stats
 
 SAMPLE_INDEX = "grpod_sample_index"  # added to TRL's generation output: each row's global index
 LOGPROB_KEYS = {"old_per_token_logps": "old_logprobs", "sampling_per_token_logps": "sampler"}
@@ -166,7 +167,6 @@ def step_report(
     grouped = rewards.reshape(-1, gen.num_generations)
     zero_std = _nan_std(grouped, dim=1).isclose(torch.zeros(grouped.shape[0])).float().mean()
     lengths = batch.completion_lengths.float()
-    mismatch = _mismatch(batch)
     return StepReport(
         step=t.step,
         valid_tokens=t.valid_tokens,
@@ -174,7 +174,7 @@ def step_report(
         loss=t.loss,
         micro_losses=[micro.loss for micro in micros],
         grad_norm=t.grad_norm,
-        clip_coef=_clip_coef(t.grad_norm, t.max_grad_norm),
+        clip_coef=clip_coefficient(t.grad_norm, t.max_grad_norm),
         lr=t.lr,
         reward_mean=float(torch.nanmean(rewards)),
         reward_std=float(_nan_std(rewards, dim=0)),
@@ -201,14 +201,8 @@ def step_report(
         global_valid_tokens=t.valid_tokens if t.world_size > 1 else None,
         rank_expected_valid_tokens=t.rank_expected_valid_tokens if t.world_size > 1 else [],
         local_loss=math.fsum(micro.loss for micro in micros) if t.world_size > 1 else None,
-        **mismatch,
+        **_mismatch(batch),
     )
-
-
-def _clip_coef(grad_norm: float, max_grad_norm: float) -> float:
-    if max_grad_norm <= 0 or not math.isfinite(grad_norm) or grad_norm <= 0:
-        return 1.0
-    return min(1.0, max_grad_norm / grad_norm)
 
 
 def _weighted(micros: list[Micro], tokens: list[float], name: str) -> float | None:
@@ -229,10 +223,7 @@ def _nan_std(x: torch.Tensor, dim: int) -> torch.Tensor:
 def _mismatch(batch: TransportBatch) -> dict[str, float | None]:
     """|sampler - trainer| logprob stats over trainable tokens (vLLM's sampling logprobs vs
     TRL's old logprobs); None without both."""
-    names = ("mean", "p90", "p99", "max", "frac_above_0_1")
-    if batch.sampler_logprobs is None or batch.old_logprobs is None or not batch.loss_mask.any():
-        return {f"mismatch_{n}": None for n in names}
-    diff = (batch.sampler_logprobs - batch.old_logprobs)[batch.loss_mask].abs().double()
-    q = torch.quantile(diff, torch.tensor([0.9, 0.99], dtype=torch.float64))
-    values = (diff.mean(), q[0], q[1], diff.max(), (diff > 0.1).double().mean())
-    return {f"mismatch_{n}": float(v) for n, v in zip(names, values)}
+    if batch.sampler_logprobs is None or batch.old_logprobs is None:
+        return mismatch_stats(None, None)
+    mask = batch.loss_mask
+    return mismatch_stats(batch.sampler_logprobs[mask], batch.old_logprobs[mask])

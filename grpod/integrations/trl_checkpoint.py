@@ -4,7 +4,7 @@ TRL's `checkpoint-N/` (model, optimizer, scheduler, RNG, trainer state) is the s
 grpod step N. Beside it: `grpod_guards.json` (the guards' windows and counters, restored on
 `train(resume_from_checkpoint=...)`) and a `state.json` in grpod's checkpoint format that
 names every tensor of `model.safetensors`, so `grpod fsck` checks that the weights file is
-complete (engine/checkpoint.py `checkpoint_problems`) as it checks grpod's own checkpoints.
+complete (engine/state/checkpoint.py `checkpoint_problems`) as it checks grpod's own checkpoints.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from grpod.engine.checkpoint import FORMAT, TENSOR
-from grpod.fileio import write_atomic
+from grpod.base.fileio import write_atomic
+from grpod.engine.state.checkpoint import FORMAT, TENSOR
 from grpod.guards.policy import GuardPolicy
 
 GUARDS_FILE = "grpod_guards.json"

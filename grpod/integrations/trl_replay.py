@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
+from grpod.base.jsonsafe import to_json
 from grpod.engine.verdict import Action, Outcome
 from grpod.forensics.errors import ForensicsError
-from grpod.forensics.replay import ReplayResult, _plan, bit_equal
+from grpod.forensics.replay import ReplayResult, bit_equal, replay_plan
 from grpod.forensics.store import Store
 from grpod.integrations.trl_batch import micro_inputs
-from grpod.jsonsafe import to_json
 
 COMPARED = ("valid_tokens", "expected_valid_tokens", "loss", "grad_norm")
 
@@ -54,7 +54,7 @@ def replay(
     store = Store(run_dir, store_url, create=False)
     try:
         store.check_schema()
-        config, _versions, checkpoint, plan = _plan(store, step, incident_id)
+        config, _versions, checkpoint, plan = replay_plan(store, step, incident_id)
         path = store.checkpoint_path(checkpoint)
     finally:
         store.close()

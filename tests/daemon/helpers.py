@@ -28,6 +28,18 @@ TINY_ENGINE = {
     "max_new_tokens": 2,
     "threads": 1,
 }
+# W2 (long prompts, 256-token rows in 4 sequence chunks), one row per micro: the torchrun
+# tests' and benches' engine (bench/common.py `W2_ENGINE`)
+W2_ENGINE = {
+    "task": "kv-retrieval",
+    "seq_len": 256,
+    "sequence_chunks": 4,
+    "lmhead_chunks": 4,
+    "prompts_per_step": 4,
+    "group_size": 4,
+    "micro_batch_rows": 1,
+    "threads": 1,
+}
 
 
 def free_port() -> int:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from grpod.engine.tasks import first_token_reward
+from grpod.engine.data.tasks import first_token_reward
 from tests.daemon.helpers import wait_until
 
 SPEC = "tests.daemon.stepgate:reward"

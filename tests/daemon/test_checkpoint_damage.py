@@ -124,10 +124,10 @@ def test_a_truncated_dcp_shard_is_one_line_not_a_base_exception(tmp_path: Path) 
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from grpod.engine import distcp
-    from grpod.engine.checkpoint import save_checkpoint
     from grpod.engine.errors import EngineError
-    from grpod.engine.parallel import Parallel
+    from grpod.engine.model.parallel import Parallel
+    from grpod.engine.state import distcp
+    from grpod.engine.state.checkpoint import save_checkpoint
 
     class Weights:
         DCP_KEYS = ("model",)

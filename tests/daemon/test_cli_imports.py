@@ -1,4 +1,4 @@
-"""Commands that only parse arguments or a config file do not import torch (grpod/lazy.py)."""
+"""Commands that only parse arguments or a config file do not import torch (grpod/base/lazy.py)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from grpod.daemon.metrics import PHASE_BUCKETS, Metrics
+from grpod.daemon.metric_families import PHASE_BUCKETS
+from grpod.daemon.metrics import Metrics
 from grpod.engine import Outcome, StepReport, StepResult
 from grpod.engine.report import KVCacheReport
 from grpod.guards import Action, Finding, Verdict

@@ -38,6 +38,7 @@ from grpod.engine import Engine, EngineConfig
 from tests.daemon.helpers import (
     GRPOD,
     TINY_ENGINE,
+    W2_ENGINE,
     NotifySocket,
     free_port,
     http_get,
@@ -49,16 +50,7 @@ from tests.daemon.helpers import (
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-ENGINE = {  # W2 (long prompts, 256-token rows in 4 sequence chunks), one row per micro
-    "task": "kv-retrieval",
-    "seq_len": 256,
-    "sequence_chunks": 4,
-    "lmhead_chunks": 4,
-    "prompts_per_step": 4,
-    "group_size": 4,
-    "micro_batch_rows": 1,
-    "threads": 1,
-}
+ENGINE = W2_ENGINE  # W2 (long prompts, 256-token rows in 4 sequence chunks), one row per micro
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 # the agent waits for its ranks' graceful stop however long it takes: a failure bound here
 GRACE_SECONDS = 180

@@ -27,7 +27,23 @@ MAX_STEPS = 6
 FAULT_STEP = 3
 EVAL_EVERY = 2
 # copy's own reward (weight 1: the rewards are the task's) and a second one shown beside it
-REWARDS = ("grpod.engine.tasks:first_token_reward", "tests.guards.rewards:digit_first")
+REWARDS = ("grpod.engine.data.tasks:first_token_reward", "tests.guards.rewards:digit_first")
+
+
+def daemon_section(max_steps: int) -> str:
+    """The `[daemon]` section both runs share: metrics on an ephemeral port, JSON logs,
+    lingering after the loop so the final state can be scraped."""
+    return f"""
+[daemon]
+max_steps = {max_steps}
+metrics_host = "127.0.0.1"
+metrics_port = 0
+linger_seconds = 120
+log_format = "json"
+progress = "off"
+"""
+
+
 TINY_CONFIG = f"""
 [engine]
 task = "copy"
@@ -47,15 +63,7 @@ nan_loss_steps = [{FAULT_STEP}]
 # for the panel that shows when each fired
 [guards.advantage]
 history_fraction_max = 1.0
-
-[daemon]
-max_steps = {MAX_STEPS}
-metrics_host = "127.0.0.1"
-metrics_port = 0
-linger_seconds = 120
-log_format = "json"
-progress = "off"
-"""
+""" + daemon_section(MAX_STEPS)
 # The W2 accounting workload cut down for CPU (as guards' vtc-last-chunk drill), faulty.
 HALT_CONFIG = """
 [engine]
@@ -71,15 +79,7 @@ threads = 1
 
 [engine.faults]
 accounting = "last_micro_first_chunk"
-
-[daemon]
-max_steps = 20
-metrics_host = "127.0.0.1"
-metrics_port = 0
-linger_seconds = 120
-log_format = "json"
-progress = "off"
-"""
+""" + daemon_section(20)
 START_TIMEOUT_SECONDS = 180
 RUN_TIMEOUT_SECONDS = 300
 

@@ -1,3 +1,3 @@
 """Fixtures shared by the engine tests: the stand-in vLLM server (test_rollout_server.py)."""
 
-from tests.engine.test_rollout_server import stand_in  # noqa: F401
+from tests.engine.rollout.test_rollout_server import stand_in  # noqa: F401

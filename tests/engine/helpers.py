@@ -7,7 +7,8 @@ import os
 import torch
 
 from grpod.engine import EngineConfig, TransportBatch
-from grpod.engine.packing import Sample, pack
+from grpod.engine.data.packing import Sample, pack
+from grpod.engine.model.policy import seeded
 
 TINY = dict(prompts_per_step=4, group_size=4, task="copy", micro_batch_rows=2, seq_len=32)
 W2 = dict(
@@ -70,6 +71,4 @@ def tiny_llama() -> torch.nn.Module:
         max_position_embeddings=64,
         attn_implementation="sdpa",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        return LlamaForCausalLM(cfg).float()
+    return seeded(lambda: LlamaForCausalLM(cfg), 1).float()

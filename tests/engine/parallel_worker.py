@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-import grpod.engine.parallel as parallel
+import grpod.engine.model.parallel as parallel
 from grpod.engine import Engine, EngineConfig
-from grpod.engine.step import decide_step
+from grpod.engine.grpo.step import decide_step
 from grpod.guards import GuardPolicy
 from tests.engine.helpers import TINY
 

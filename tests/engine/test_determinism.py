@@ -1,6 +1,6 @@
 """The trainer's gradient is the same bits on every run at any thread count: the states a
 completion is scored from are gathered so that a shared prompt's repeats add in index order
-(engine/forward_backward.py `_logprobs`)."""
+(engine/train/forward_backward.py `_logprobs`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpod.engine.forward_backward import ForwardBackward
+from grpod.engine.train.forward_backward import ForwardBackward
 
 
 @pytest.fixture

@@ -9,12 +9,12 @@ import torch
 from pydantic import ValidationError
 
 from grpod.engine import Engine, TransportBatch
+from grpod.engine.data.tasks import KVRetrievalTask
 from grpod.engine.errors import EngineError
 from grpod.engine.kvcache import KVCacheSpec, prefill_chunks
-from grpod.engine.model import build_tiny_qwen2
+from grpod.engine.model.policy import build_tiny_qwen2
 from grpod.engine.report import KVCacheReport
-from grpod.engine.tasks import KVRetrievalTask
-from grpod.engine.torch_sampler import sample
+from grpod.engine.rollout.torch_sampler import sample
 from tests.engine.helpers import config
 
 

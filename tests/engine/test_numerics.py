@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpod.engine import Engine, TransportBatch
-from grpod.engine.loss import token_logprobs
+from grpod.engine.model.head import token_logprobs
 from tests.engine.helpers import config
 
 

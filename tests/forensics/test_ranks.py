@@ -14,13 +14,13 @@ import pytest
 import torch
 from sqlalchemy import delete, func, inspect, select, text, update
 
+from grpod.base.jsonsafe import to_json
 from grpod.daemon.cli import main
 from grpod.engine import Engine, EngineConfig, StepReport, TransportBatch
 from grpod.engine.report import RankReport
 from grpod.forensics import FlightRecorder, ForensicsConfig, ForensicsError, Store, fsck, gc, replay
 from grpod.forensics.incidents import incident_batch
 from grpod.forensics.models import Blob, Step, StepRank
-from grpod.jsonsafe import to_json
 from tests.forensics.campaign import TINY, stand_in_run_json
 from tests.forensics.test_store import PASS, _migrate, decided, tiny_batch, tiny_report
 from tests.reports import make_report

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from grpod.engine import Engine, EngineConfig
-from grpod.engine.step import decide_step
+from grpod.engine.grpo.step import decide_step
 from grpod.guards import GuardPolicy
 from tests.guards.helpers import batch
 

@@ -13,8 +13,8 @@ import warnings
 from pathlib import Path
 
 from grpod.engine import Engine, EngineConfig
-from grpod.engine.step import decide_step
-from grpod.engine.tasks import KVRetrievalTask
+from grpod.engine.data.tasks import KVRetrievalTask
+from grpod.engine.grpo.step import decide_step
 from grpod.guards import GuardPolicy
 
 STEPS = 24

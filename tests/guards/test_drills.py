@@ -3,7 +3,7 @@ least 50 clean steps, the policy bit-identical after each flush."""
 
 import pytest
 
-from grpod.engine.tasks import KVRetrievalTask
+from grpod.engine.data.tasks import KVRetrievalTask
 from grpod.guards import Action, run_drill
 
 FLUSH_DRILLS = ("nan-loss", "inf-grad", "sentinel-logprob")

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 
 from grpod.engine import Engine
-from grpod.engine.step import Outcome, decide_step
+from grpod.engine.grpo.step import Outcome, decide_step
 from grpod.guards import Action, GuardPolicy
 from grpod.guards.config import FiniteConfig
 from grpod.guards.finite import FiniteGuard
@@ -121,7 +121,7 @@ def test_weights_check_over_one_shared_buffer() -> None:
 
 
 def test_a_nan_reward_in_the_run_flushes_the_step(tmp_path: Path, monkeypatch) -> None:
-    """A reward function's NaN is a step fault (engine/rewardcall.py `NonFinite.PASS`): the
+    """A reward function's NaN is a step fault (engine/data/rewardcall.py `NonFinite.PASS`): the
     rollout returns it, the finite guard flushes the step and the weights stay as they were."""
     (tmp_path / "nanreward.py").write_text("def nan(p, c, a):\n    return float('nan')\n")
     monkeypatch.syspath_prepend(str(tmp_path))

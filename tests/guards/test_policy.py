@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from grpod.engine import Engine, EngineConfig
-from grpod.engine.checkpoint import load_checkpoint, save_checkpoint
-from grpod.engine.step import decide_step
+from grpod.engine.grpo.step import decide_step
+from grpod.engine.state.checkpoint import load_checkpoint, save_checkpoint
 from grpod.engine.verdict import Outcome
 from grpod.guards import Action, GuardPolicy, GuardsConfig, GuardsError
 from grpod.guards.policy import GUARD_CLASSES

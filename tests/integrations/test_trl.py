@@ -167,7 +167,7 @@ def test_a_trl_user_sees_one_grpod_line_per_finding_and_the_verdict_in_the_logs(
     assert flushed == [0.0, 1.0, 1.0, 1.0, 0.0]
     status = json.loads(_cli("status", "--run-dir", str(campaign["run"]), "--json").stdout)
     assert status["run_id"]
-    from grpod.daemon.loop import _device
+    from grpod.daemon.runinfo import device_name
     from grpod.forensics import Store
 
     store = Store(campaign["run"], create=False)
@@ -177,7 +177,7 @@ def test_a_trl_user_sees_one_grpod_line_per_finding_and_the_verdict_in_the_logs(
             recorded = store.run(session, run_id).device
     finally:
         store.close()
-    assert recorded == _device(campaign["trainer"].accelerator.device)
+    assert recorded == device_name(campaign["trainer"].accelerator.device)
 
 
 def test_grpod_run_on_a_trl_run_dir_says_how_to_resume_it(campaign: dict[str, Any]) -> None:

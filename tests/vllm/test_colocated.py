@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from grpod.engine import Engine, TransportBatch
-from grpod.engine.layout import sequence_logprobs
-from grpod.engine.step import decide_step
+from grpod.engine.grpo.step import decide_step
+from grpod.engine.model.head import sequence_logprobs
 from grpod.engine.verdict import Action, Outcome
 from grpod.guards.policy import GuardPolicy
 from tests.engine.helpers import config

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from grpod.engine import Engine
-from grpod.engine.step import decide_step
+from grpod.engine.grpo.step import decide_step
 from grpod.engine.verdict import Outcome
 from grpod.guards.policy import GuardPolicy
 from tests.engine.helpers import config

@@ -1,6 +1,6 @@
 """vLLM settings that cannot work are refused before anything is written (exit 2, one line):
 a KV cache too small for one sequence, a `--max-model-len` shorter than grpod's requests, a
-head dim vLLM's CPU attention lacks (preflight, engine/vllm_limits.py), and server arguments
+head dim vLLM's CPU attention lacks (preflight, engine/rollout/vllm_limits.py), and server arguments
 the vLLM server itself refuses (its argparse error, mapped to exit 2)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from grpod.engine import Engine, EngineConfig, EngineError
-from grpod.engine.rollout_vllm import VLLMSampler
-from grpod.engine.vllm_limits import served_lengths
+from grpod.engine.rollout.rollout_vllm import VLLMSampler
+from grpod.engine.rollout.vllm_limits import served_lengths
 from tests.daemon.helpers import cli, run_to_end, write_config
 from tests.hfdir import build_hf_dir
 

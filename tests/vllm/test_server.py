@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from grpod.engine.vllm_server import group_alive
+from grpod.engine.rollout.vllm_server import group_alive
 from tests.daemon.helpers import Grpod, cli, write_config
 
 MAIN_GRPOD = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "grpod"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from grpod.engine import Engine
-from grpod.engine.vllm_server import UNIX_PREFIX
+from grpod.engine.rollout.vllm_server import UNIX_PREFIX
 from tests.engine.helpers import config
 
 ROUTES = [

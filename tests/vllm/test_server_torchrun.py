@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from grpod.engine.vllm_server import group_alive
+from grpod.engine.rollout.vllm_server import group_alive
 from tests.daemon.helpers import cli
 from tests.vllm.test_server import campaign
 

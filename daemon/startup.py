@@ -1,0 +1,46 @@
+"""What a start creates before the loop's first step, besides the engine: the rollout
+sampler (vLLM, before READY and before the run dir, so what it refuses creates nothing) and
+rank 0's run directory with its flight recorder."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from grpod.daemon.notify import Notifier
+from grpod.daemon.rundir import Plan, link_latest
+from grpod.engine import Engine
+from grpod.engine.config import EngineConfig
+from grpod.forensics.recorder import FlightRecorder
+
+
+def start_sampler(engine: Engine, config: EngineConfig, notifier: Notifier, log: Any) -> None:
+    """vLLM up: colocated, or grpod's own server (or the named one answering)."""
+    notifier.extend_timeout(config.vllm_server_start_timeout_seconds)
+    notifier.status("starting vLLM")
+    started = time.perf_counter()
+    engine.start_sampler()
+    client, process = (getattr(engine.vllm, k, None) for k in ("client", "process"))
+    log.info(
+        "rollout server" if client is not None else "vllm started",
+        url=client.url if client is not None else None,
+        pid=process.pid if process is not None else None,
+        started=process is not None,
+        seconds=round(time.perf_counter() - started, 3),
+    )
+
+
+def open_run_dir(plan: Plan, log: Any) -> FlightRecorder:
+    """Rank 0 (under torchrun it owns the run dir and the store): create the run dir (and
+    the `latest` link) or clean a resumed one of half-written checkpoints, and open its
+    flight recorder."""
+    if not plan.resume:
+        plan.run_dir.create(plan.run_id, plan.config)
+        if plan.link_latest is not None:
+            link_latest(plan.link_latest, plan.run_dir.path)
+    else:
+        for name in plan.run_dir.remove_stale_temporaries():
+            log.warning("removed a half-written checkpoint", path=name)
+    recorder = FlightRecorder(plan.run_dir.path, plan.config.forensics)
+    recorder.store.lock_run_dir()  # PostgreSQL: one writer per run dir across hosts
+    return recorder

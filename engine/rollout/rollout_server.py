@@ -1,0 +1,327 @@
+"""vLLM rollouts from a server process (`rollout_backend = "vllm-server"`).
+
+The rollout runs in vLLM's OpenAI-compatible server, off the trainer's process: either one
+that grpod starts and supervises (`engine/rollout/vllm_server.py`: its own process group, its output
+forwarded line by line to the `vllm.server` logger, stopped with the engine; on Linux it also
+dies with the process that started it), or an existing one named by `vllm_server_url`.
+
+- **Who can reach it**: grpod's own server listens on a Unix socket (`--uds`) in a 0700
+  temporary directory, and the snapshots go to a 0700 temporary directory: no other user
+  can drive its control routes (`/collective_rpc`, `/reset_prefix_cache`), sample from the
+  policy, or put weights in its way (docs/SECURITY.md). A server named by `vllm_server_url`
+  is the user's to protect; `vllm_server_api_key_env` names the variable holding its
+  credential, sent as a bearer token with every request.
+- **Weights** travel through the filesystem, as prime-rl's do: every push writes the
+  trainer's tensors into one safetensors snapshot (a temporary directory, fsynced, renamed
+  into place: never half-written under its name) in the sync directory, asks the server's
+  workers to `reload_weights` from it (`/collective_rpc`; grpod starts the server with
+  `VLLM_SERVER_DEV_MODE=1`, an existing one needs it too), removes the previous snapshot,
+  then `/reset_prefix_cache`. The server must see the directory: same host, or a shared
+  filesystem (`vllm_server_sync_dir`).
+- **Completions** are requested by token ids (the server runs without a tokenizer), one
+  `/v1/completions` request per completion, seeded as the colocated sampler seeds them, all
+  in flight at once (the server batches them); ids come back as `token_id:N` with each
+  sampled token's processed logprob, NaN and -inf kept. The weight-sync probe's two requests
+  ride with the rollout's, as in the colocated sampler (`engine/rollout/rollout_vllm.py`).
+- **Failures** are never retried here: a server that exited, refuses connections, does not
+  answer a request within `vllm_server_timeout_seconds`, or answers something that is not
+  what was asked, raises `SamplerError` with one line naming the server, the route and what
+  went wrong. The daemon records the step's incident and exits 1 (not the input's fault:
+  systemd restarts the unit and the next start resumes from the checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpod.base.fileio import atomic_dir
+from grpod.engine.config import EngineConfig
+from grpod.engine.errors import EngineError, SamplerError
+from grpod.engine.rollout.rollout_vllm import (
+    CPU_KV_CACHE_BYTES,
+    ServedModel,
+    to_rollout,
+    weights_to_push,
+)
+from grpod.engine.rollout.sampler import Rollout
+from grpod.engine.rollout.vllm_server import (
+    EXIT_GRACE_SECONDS,
+    UNIX_PREFIX,
+    ServerClient,
+    ServerProcess,
+    server_env,
+    short_json,
+)
+from grpod.engine.weight_sync import CONTINUATION_TOKENS, ProbeScores, PushFaults
+
+SERVED_NAME = "grpod-policy"  # the model's name in requests (its path changes with every push)
+MAX_REQUESTS_IN_FLIGHT = 64
+SNAPSHOT = "model.safetensors"
+SOCKET = "vllm.sock"
+
+
+class ServerSampler:
+    """Rollouts from a vLLM server that takes the trainer's weights before every rollout;
+    the same `push` / `sample` / `close` as the colocated `VLLMSampler`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        probe_tokens: int,
+        *,
+        peer_of: str | None = None,
+    ) -> None:
+        """`peer_of`: the URL of the node's server that local rank 0 started or reached
+        (under torchrun): this rank samples from it and never pushes (its leader does)."""
+        self.served = ServedModel(model, config, probe_tokens)
+        self.probe_tokens, self.max_model_len = self.served.probe_tokens, self.served.max_model_len
+        self.process: ServerProcess | None = None
+        self._own_sync_dir = not config.vllm_server_sync_dir and peer_of is None
+        self.sync_dir: Path | None = None  # where the pushes' snapshots go (not a peer's)
+        if peer_of is None:
+            self.sync_dir = Path(
+                config.vllm_server_sync_dir or tempfile.mkdtemp(prefix="grpod-vllm-sync-")
+            )
+            self.sync_dir.mkdir(parents=True, exist_ok=True)
+        self._snapshot: Path | None = None
+        self._pushes = 0
+        self._pool = ThreadPoolExecutor(MAX_REQUESTS_IN_FLIGHT, thread_name_prefix="vllm-request")
+        url = peer_of or config.vllm_server_url
+        self._socket_dir: Path | None = None  # grpod's own server's socket, 0700
+        if not url:
+            self._socket_dir = Path(tempfile.mkdtemp(prefix="grpod-vllm-"))
+            url = f"{UNIX_PREFIX}{self._socket_dir / SOCKET}"
+        try:
+            key = os.environ.get(config.vllm_server_api_key_env, "")
+            if config.vllm_server_api_key_env and not key:
+                raise EngineError(
+                    f"engine.vllm_server_api_key_env: ${config.vllm_server_api_key_env} is not set"
+                )
+            self.client = ServerClient(url, config.vllm_server_timeout_seconds, api_key=key)
+            if peer_of is not None or config.vllm_server_url:
+                self.client.get("/health")
+            else:
+                self.process = ServerProcess(
+                    server_argv(config, self.served, url), server_env(), _server_logger()
+                )
+                self.client.explain = self._explain
+                self.process.wait_ready(self.client, config.vllm_server_start_timeout_seconds)
+        except BaseException:
+            self.close()
+            raise
+
+    def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> None:
+        """Write `model`'s weights into a new snapshot, have the server reload from it, then
+        reset its prefix cache."""
+        if self.sync_dir is None:
+            raise EngineError("a peer rank pushed to its node's rollout server (local rank 0 does)")
+        faults = faults or PushFaults()
+        if faults.skip:
+            return
+        self._pushes += 1
+        snapshot = self.sync_dir / f"weights-{self._pushes:08d}"
+        with atomic_dir(snapshot, replace=True) as tmp:
+            from safetensors.torch import save_file
+
+            save_file(_unshared(weights_to_push(model, faults)), str(tmp / SNAPSHOT))
+        answer = self.client.post(
+            "/collective_rpc",
+            {
+                "method": "reload_weights",
+                "kwargs": {"weights_path": str(snapshot)},
+                "timeout": self.client.timeout,
+            },
+        )
+        if not isinstance(answer, dict) or "results" not in answer:
+            raise self.client.error("/collective_rpc", f"answered {short_json(answer)} to a reload")
+        previous, self._snapshot = self._snapshot, snapshot
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+        if not faults.keep_prefix_cache:
+            self.client.post("/reset_prefix_cache")
+
+    def sample(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        eos_token_id: int | list[int],
+        pad_token_id: int,
+        seed: int,
+        probe: list[int] | None = None,
+    ) -> tuple[Rollout, ProbeScores | None]:
+        """One completion per prompt, each request seeded from `seed` and its index, and the
+        weight-sync probe's scores (`probe`): the colocated sampler's contract."""
+        stop = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        bodies = [
+            _completion(
+                p,
+                max_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=(seed + i) % (1 << 63),
+                stop_token_ids=stop,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        if probe is not None:
+            common = dict(temperature=1.0, top_p=1.0, seed=seed, ignore_eos=True)
+            continuation = min(CONTINUATION_TOKENS, max_new_tokens)
+            bodies[:0] = [
+                _completion(probe, max_tokens=continuation, **common),
+                _completion(probe, max_tokens=1, prompt_logprobs=0, **common),
+            ]
+        answers = list(self._pool.map(self._complete, bodies))
+        scores = None
+        if probe is not None:
+            scores = self._probe_scores(probe, answers[0], answers[1])
+            answers = answers[2:]
+        completions = [self._sampled(a) for a in answers]
+        return to_rollout(completions, max_new_tokens, pad_token_id), scores
+
+    def close(self) -> None:
+        """Stop the server grpod started; remove the snapshots it was given."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.process is not None:
+            self.process.stop()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        if self._own_sync_dir:
+            shutil.rmtree(self.sync_dir, ignore_errors=True)
+        elif self._snapshot is not None:
+            shutil.rmtree(self._snapshot, ignore_errors=True)
+
+    def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        answer = self.client.post("/v1/completions", body)
+        if not isinstance(answer, dict) or not answer.get("choices"):
+            raise self._garbage(f"{short_json(answer)}, not a completion")
+        return answer
+
+    def _sampled(self, answer: dict[str, Any]) -> tuple[list[int], list[float]]:
+        """A completion's sampled ids and logprobs (`token_id:N` tokens)."""
+        try:
+            logprobs = answer["choices"][0]["logprobs"]
+            tokens = [int(str(t).removeprefix("token_id:")) for t in logprobs["tokens"]]
+            values = [math_float(v) for v in logprobs["token_logprobs"]]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise self._garbage(
+                f"a completion without its token ids and logprobs ({exc!r})"
+            ) from None
+        if len(values) != len(tokens):
+            raise self._garbage(f"{len(tokens)} tokens with {len(values)} logprobs")
+        return tokens, values
+
+    def _probe_scores(self, probe: list[int], continued: dict, scored: dict) -> ProbeScores:
+        tokens, values = self._sampled(continued)
+        try:
+            positions = scored["choices"][0]["prompt_logprobs"]
+            prompt = [
+                math_float(position[str(token)]["logprob"])
+                for position, token in zip(positions[1:], probe[1:])
+            ]
+            details = (continued.get("usage") or {}).get("prompt_tokens_details") or {}
+            cached = int(details.get("cached_tokens") or 0)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise self._garbage(f"the probe's prompt logprobs missing ({exc!r})") from None
+        if len(prompt) != len(probe) - 1:
+            raise self._garbage(f"{len(prompt)} prompt logprobs for {len(probe)} probe tokens")
+        return ProbeScores(tokens, prompt, values, cached)
+
+    def _garbage(self, what: str) -> SamplerError:
+        return self.client.error("/v1/completions", f"answered {what}")
+
+    def _explain(self) -> str:
+        """Why a request failed, when the server grpod started has exited (a connection
+        reset can reach the client before the exit status does: a short wait for it)."""
+        if self.process is None:
+            return ""
+        status = self.process.wait_exit(EXIT_GRACE_SECONDS)
+        if status is None:
+            return ""
+        return f" (the server exited with status {status}{self.process.last_error()})"
+
+
+def server_argv(config: EngineConfig, served: ServedModel, url: str) -> list[str]:
+    """The command line of the server grpod starts for `config`, listening on the Unix socket
+    of `url` (`unix:/path`)."""
+    argv = [
+        config.vllm_server_python or sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(served.path),
+        "--served-model-name",
+        SERVED_NAME,
+        "--uds",
+        url.removeprefix(UNIX_PREFIX),
+        "--skip-tokenizer-init",  # requests carry token ids: the trainer's tokenizer is the one
+        "--dtype",
+        "bfloat16" if config.dtype == "bfloat16" else "float32",
+        "--max-model-len",
+        str(served.max_model_len),
+        "--seed",
+        str(config.seed),
+        "--enable-prefix-caching",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--enable-prompt-tokens-details",  # the probe's cached tokens
+        "--no-use-tqdm-on-load",  # its stderr is forwarded line by line: no progress bars
+    ]
+    if config.vllm_kv_cache_bytes or not torch.cuda.is_available():
+        # on CPU a gpu_memory_utilization would be a fraction of the machine's RAM
+        bytes_ = config.vllm_kv_cache_bytes or CPU_KV_CACHE_BYTES
+        argv += ["--kv-cache-memory-bytes", str(bytes_)]
+    else:
+        argv += ["--gpu-memory-utilization", str(config.vllm_gpu_memory_utilization)]
+    if not torch.cuda.is_available():
+        argv.append("--enforce-eager")  # no graph capture or compile on CPU
+        # a prompt prefilled in part rewinds its seeded generator, which a CPU generator
+        # cannot: the engine core dies (tests/vllm/test_long_prompts.py)
+        argv.append("--no-enable-chunked-prefill")
+    return argv + list(config.vllm_server_args)
+
+
+def math_float(value: Any) -> float:
+    """A JSON logprob as a float: NaN and infinities as the server wrote them."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"logprob {value!r}")
+    return float(value)
+
+
+def _unshared(weights: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Every name with its own contiguous copy, as safetensors stores them: a tied head is
+    written under both names (vLLM's layerwise reload leaves a tied name it is not sent
+    holding stale values: measured 1.4 nats off on the tiny model)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in weights:
+        tensor = tensor.detach().to("cpu").contiguous()
+        out[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
+        seen.add(tensor.data_ptr())
+    return out
+
+
+def _completion(prompt: list[int], **params: Any) -> dict[str, Any]:
+    return {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "logprobs": 0,  # the sampled token's own logprob
+        "return_tokens_as_token_ids": True,
+        **params,
+    }
+
+
+def _server_logger() -> logging.Logger:
+    return logging.getLogger("vllm.server")

@@ -1,0 +1,20 @@
+"""One line for an exception, quoted whole: its message's lines joined, so that a third-party
+error (PEFT's module repr, a Jinja template error, torch's checkpoint exception) is not cut to
+a first line that says nothing (`Target module Qwen2MLP(`). Where the first line is what
+says it (a loader's or a database driver's message), `first_line`."""
+
+from __future__ import annotations
+
+
+def one_line(exc: BaseException, *, with_type: bool = True) -> str:
+    """`Type: message` (or the message alone) with every line stripped and joined by spaces."""
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    if not with_type:
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,394 @@
+"""The vLLM server sampler's client against a stand-in HTTP server that answers what a real
+one cannot be made to (garbage, silence, a dropped connection): every failure is one
+`SamplerError` line naming the server, the route and what went wrong, never a hang or a
+retry. The real vLLM server runs in tests/vllm (`make test-vllm`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socketserver
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from grpod.engine import Engine, EngineError
+from grpod.engine.errors import SamplerError
+from grpod.engine.grpo.preflight import preflight
+from grpod.engine.rollout.rollout_server import ServerSampler
+from grpod.engine.rollout.vllm_server import ServerClient, ServerProcess, free_port
+from tests.engine.helpers import config
+
+TIMEOUT = 0.5  # seconds: the client's limit; the silent stand-in never answers at all
+
+Answer = Callable[[str, dict[str, Any]], tuple[int, bytes] | None]
+
+
+def completion(tokens: list[int], logprobs: list[float], **extra: Any) -> dict[str, Any]:
+    """A `/v1/completions` answer as vLLM writes it (return_tokens_as_token_ids)."""
+    choice = {
+        "index": 0,
+        "text": "",
+        "logprobs": {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logprobs},
+        **extra,
+    }
+    usage = {"prompt_tokens_details": {"cached_tokens": 128}}
+    return {"object": "text_completion", "choices": [choice], "usage": usage}
+
+
+def healthy(route: str, body: dict[str, Any]) -> tuple[int, bytes] | None:
+    """What a working server answers (a NaN and an -inf logprob included, as vLLM writes)."""
+    if route == "/health":
+        return 200, b""
+    if route == "/collective_rpc":
+        return 200, b'{"results": [null]}'
+    if route == "/reset_prefix_cache":
+        return 200, b'{"success": true}'
+    if route == "/v1/completions":
+        if body.get("prompt_logprobs") == 0:
+            positions = [None, *({str(t): {"logprob": -1.5}} for t in body["prompt"][1:])]
+            return 200, json.dumps(completion([3], [-0.5], prompt_logprobs=positions)).encode()
+        n = body["max_tokens"]
+        answer = completion([5] * n, [-0.25, math.nan, -math.inf, -1.0][:n] + [-1.0] * (n - 4))
+        return 200, json.dumps(answer).encode()  # NaN and -Infinity, as Python writes them
+    return 404, b'{"detail": "Not Found"}'
+
+
+class StandIn:
+    """A threaded HTTP server on 127.0.0.1 whose answers `answer(route, body)` decides;
+    None: never answer (until the test ends), "drop": close the connection unanswered."""
+
+    def __init__(self, answer: Answer, socket_path: str = "", api_key: str = "") -> None:
+        self.answer = answer
+        self.release = threading.Event()
+        self.routes: list[str] = []
+        self.refused: list[str] = []  # routes asked without the credential (401)
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _serve(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                body = json.loads(raw) if raw.strip() else {}
+                if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
+                    stand_in.refused.append(self.path)
+                    reply: Any = (401, b'{"error": {"message": "Unauthorized"}}')
+                else:
+                    stand_in.routes.append(self.path)
+                    reply = stand_in.answer(self.path, body)
+                if reply is None:
+                    stand_in.release.wait(60)
+                    return
+                if reply == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                status, data = reply
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _serve
+
+            def address_string(self) -> str:
+                return "unix" if socket_path else super().address_string()
+
+        if socket_path:
+            self.server: Any = _UnixHTTPServer(socket_path, Handler)
+            self.url = f"unix:{socket_path}"
+        else:
+            self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _UnixHTTPServer(socketserver.ThreadingUnixStreamServer):
+    def get_request(self) -> tuple[Any, tuple[str, int]]:
+        request, _ = super().get_request()
+        return request, ("unix", 0)  # BaseHTTPRequestHandler reads a host and a port
+
+
+@pytest.fixture
+def stand_in() -> Iterator[Callable[[Answer], StandIn]]:
+    made: list[StandIn] = []
+
+    def make(answer: Answer, **where: str) -> StandIn:
+        made.append(StandIn(answer, **where))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.close()
+
+
+def server_config(url: str, tmp_path: Path, **overrides: Any):
+    return config(
+        rollout_backend="vllm-server",
+        vllm_server_url=url,
+        vllm_server_timeout_seconds=TIMEOUT,
+        vllm_server_sync_dir=str(tmp_path / "sync"),
+        prompts_per_step=2,
+        group_size=2,
+        **overrides,
+    )
+
+
+def sampler(url: str, tmp_path: Path) -> ServerSampler:
+    engine = Engine(server_config(url, tmp_path))
+    engine.start_sampler()
+    return engine.vllm
+
+
+def sample(s: ServerSampler, probe: list[int] | None = None):
+    return s.sample(
+        [[3, 4, 5], [3, 4]],
+        max_new_tokens=4,
+        temperature=1.0,
+        top_p=1.0,
+        eos_token_id=2,
+        pad_token_id=0,
+        seed=7,
+        probe=probe,
+    )
+
+
+def test_completions_by_token_ids_keep_the_logprobs_as_the_server_gave_them(
+    stand_in, tmp_path: Path
+) -> None:
+    server = stand_in(healthy)
+    s = sampler(server.url, tmp_path)
+    out, scores = sample(s, probe=[1, 2, 3, 4])
+    assert out.completion_ids.tolist() == [[5, 5, 5, 5]] * 2
+    assert out.logprobs[0, 0] == -0.25 and math.isnan(out.logprobs[0, 1])
+    assert out.logprobs[0, 2] == -math.inf  # never replaced: the finite guard flushes it
+    assert scores.prompt_logprobs == [-1.5] * 3 and scores.cached_tokens == 128
+    assert scores.continuation == [5] * 4
+
+
+def test_a_push_writes_one_complete_snapshot_and_reloads_from_it(stand_in, tmp_path: Path) -> None:
+    bodies: list[dict[str, Any]] = []
+
+    def recording(route: str, body: dict[str, Any]):
+        bodies.append({"route": route, **body})
+        return healthy(route, body)
+
+    server = stand_in(recording)
+    engine = Engine(server_config(server.url, tmp_path))
+    engine.start_sampler()
+    engine.vllm.push(engine.rollout_model)
+    engine.vllm.push(engine.rollout_model)
+    reloads = [b for b in bodies if b["route"] == "/collective_rpc"]
+    assert [b["method"] for b in reloads] == ["reload_weights"] * 2
+    paths = [Path(b["kwargs"]["weights_path"]) for b in reloads]
+    assert not paths[0].exists() and paths[1].is_dir()  # the previous snapshot removed
+    assert [p.name for p in (tmp_path / "sync").iterdir()] == [paths[1].name]  # no temporary
+    from safetensors.torch import load_file
+
+    weights = load_file(paths[1] / "model.safetensors")
+    expected = engine.rollout_model.state_dict()
+    assert set(weights) == set(expected)  # a tied head too: vLLM's reload needs every name
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, expected[name]), name
+    assert [b["route"] for b in bodies].count("/reset_prefix_cache") == 2
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (lambda r, b: (200, b"<html>oops</html>"), "answered something that is not JSON"),
+        (lambda r, b: (200, b'{"object": "error"}'), "not a completion"),
+        (
+            lambda r, b: (200, json.dumps(completion([5], [])).encode()),
+            "1 tokens with 0 logprobs",
+        ),
+        (
+            lambda r, b: (500, b'{"error": {"message": "EngineCore died"}}'),
+            "answered HTTP 500: EngineCore died",
+        ),
+        (lambda r, b: None, f"no answer within {TIMEOUT:g} s"),
+        (lambda r, b: "drop", "/v1/completions: "),
+    ],
+    ids=["not-json", "not-a-completion", "short-logprobs", "http-500", "silent", "dropped"],
+)
+def test_a_server_that_answers_wrongly_is_one_line_never_a_hang(
+    stand_in, tmp_path: Path, answer: Answer, message: str
+) -> None:
+    def mostly_healthy(route: str, body: dict[str, Any]):
+        return answer(route, body) if route == "/v1/completions" else healthy(route, body)
+
+    server = stand_in(mostly_healthy)
+    s = sampler(server.url, tmp_path)
+    with pytest.raises(SamplerError) as caught:
+        sample(s)
+    text = str(caught.value)
+    assert text.startswith(f"rollout server {server.url}: /v1/completions: "), text
+    assert message in text and "\n" not in text
+
+
+def test_a_failed_rollout_keeps_the_step_prompts_for_its_incident(stand_in, tmp_path: Path) -> None:
+    def no_completions(route: str, body: dict[str, Any]):
+        return (503, b"{}") if route == "/v1/completions" else healthy(route, body)
+
+    server = stand_in(no_completions)
+    engine = Engine(server_config(server.url, tmp_path))
+    with pytest.raises(SamplerError, match="answered HTTP 503") as caught:
+        engine.rollout()
+    batch = caught.value.batch
+    assert batch.step == 0 and batch.num_samples == 2 * 2
+    assert int(batch.loss_mask.sum()) == 0  # prompts only: nothing to train on
+    assert engine.step == 0
+
+
+def test_no_server_at_the_url_fails_at_start(tmp_path: Path) -> None:
+    with socket_port() as port:  # bound, never listening: refused
+        engine = Engine(server_config(f"http://127.0.0.1:{port}", tmp_path))
+        with pytest.raises(SamplerError, match=r"/health: connection refused"):
+            engine.start_sampler()
+
+
+def socket_port():
+    import contextlib
+    import socket
+
+    @contextlib.contextmanager
+    def bound() -> Iterator[int]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            yield s.getsockname()[1]
+
+    return bound()
+
+
+def test_a_server_that_exits_while_starting_is_one_line(tmp_path: Path) -> None:
+    """grpod's own server, started with an interpreter that has no vLLM (this one)."""
+    engine = Engine(
+        config(
+            rollout_backend="vllm-server",
+            vllm_server_python=sys.executable,
+            vllm_server_start_timeout_seconds=120,
+        )
+    )
+    with pytest.raises(SamplerError, match=r"exited with status 1 while starting: .*vllm"):
+        engine.start_sampler()
+
+
+def test_a_server_that_dies_while_starting_is_named_by_its_exception_not_its_shutdown() -> None:
+    # vLLM killed at start-up prints its traceback, then pages of shutdown lines
+    died = "; ".join(
+        [
+            "print('(APIServer pid=7) INFO 12-02 [api_utils.py:286] non-default args')",
+            "print('Traceback (most recent call last):')",
+            "print('  File \"prometheus_client/values.py\", line 1, in __init__')",
+            "print('FileNotFoundError: [Errno 2] No such file: run/prometheus/counter_7.db')",
+            "print('(APIServer pid=7) WARNING [utils.py:653] [shutdown] force killing EngineCore')",
+            "raise SystemExit(1)",
+        ]
+    )
+    server = ServerProcess(
+        [sys.executable, "-c", died], dict(os.environ), logging.getLogger("test.server")
+    )
+    client = ServerClient(f"http://127.0.0.1:{free_port('127.0.0.1')}", 5)
+    with pytest.raises(SamplerError) as failed:
+        server.wait_ready(client, 60)
+    assert str(failed.value).endswith(
+        "exited with status 1 while starting: FileNotFoundError: [Errno 2] No such file: "
+        "run/prometheus/counter_7.db"
+    ), failed.value
+    server.stop()
+
+
+def test_a_server_on_a_unix_socket_with_a_credential_takes_every_request_with_it(
+    stand_in, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`vllm_server_url = "unix:/path"`, its key from `vllm_server_api_key_env`: every route
+    grpod calls carries the bearer token; a request without it is refused."""
+    server = stand_in(healthy, socket_path=str(tmp_path / "v.sock"), api_key="k-7f3e")
+    monkeypatch.setenv("GRPOD_TEST_VLLM_KEY", "k-7f3e")
+    engine = Engine(
+        server_config(server.url, tmp_path, vllm_server_api_key_env="GRPOD_TEST_VLLM_KEY")
+    )
+    engine.start_sampler()
+    try:
+        engine.vllm.push(engine.rollout_model)
+        out, _ = sample(engine.vllm, probe=[1, 2, 3, 4])
+    finally:
+        engine.vllm.close()
+    assert out.completion_ids.tolist() == [[5, 5, 5, 5]] * 2
+    assert (
+        set(server.routes)
+        == {"/health", "/collective_rpc", "/reset_prefix_cache", "/v1/completions"}
+        and not server.refused
+    )
+    for route in ("/collective_rpc", "/reset_prefix_cache", "/v1/completions"):
+        with pytest.raises(
+            SamplerError, match=f"unix:{tmp_path}/v.sock: {route}: answered HTTP 401"
+        ):
+            ServerClient(server.url, 5).post(route, {})
+    assert server.refused == ["/collective_rpc", "/reset_prefix_cache", "/v1/completions"]
+    monkeypatch.delenv("GRPOD_TEST_VLLM_KEY")
+    unset = Engine(
+        server_config(server.url, tmp_path, vllm_server_api_key_env="GRPOD_TEST_VLLM_KEY")
+    )
+    with pytest.raises(
+        EngineError, match=r"vllm_server_api_key_env: \$GRPOD_TEST_VLLM_KEY is not set"
+    ):
+        unset.start_sampler()
+
+
+def test_no_server_at_the_socket_fails_at_start(tmp_path: Path) -> None:
+    engine = Engine(server_config(f"unix:{tmp_path}/none.sock", tmp_path))
+    with pytest.raises(SamplerError, match=r"none.sock: /health: no such file or directory"):
+        engine.start_sampler()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"vllm_server_url": "localhost:8000"}, "vllm_server_url"),
+        ({"rollout_backend": "vllm", "vllm_server_url": "http://h:1"}, "need rollout_backend"),
+        ({"lora": {"rank": 4}}, "vllm-server rollout backend does not take adapters"),
+        ({"vllm_server_port": 8000}, "grpod's own server listens on a Unix socket"),
+        ({"vllm_server_host": "0.0.0.0"}, "grpod's own server listens on a Unix socket"),
+        ({"vllm_server_api_key_env": "KEY"}, "for a server named by vllm_server_url"),
+        ({"vllm_server_url": "http://h:1", "vllm_server_api_key_env": "A-B"}, "api_key_env"),
+    ],
+)
+def test_server_settings_are_checked_in_the_config(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        config(**{"rollout_backend": "vllm-server", **overrides})
+
+
+def test_preflight_names_a_server_interpreter_without_vllm(tmp_path: Path) -> None:
+    missing = tmp_path / "python"
+    with pytest.raises(EngineError, match=f"vllm_server_python {missing}: not an executable"):
+        preflight(config(rollout_backend="vllm-server", vllm_server_python=str(missing)))
+    if importlib_has_vllm():
+        return
+    with pytest.raises(EngineError, match="has no vllm"):
+        preflight(config(rollout_backend="vllm-server", vllm_server_python=sys.executable))
+    with pytest.raises(EngineError, match="rollout_backend vllm-server: vllm is not installed"):
+        preflight(config(rollout_backend="vllm-server"))
+
+
+def importlib_has_vllm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
