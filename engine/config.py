@@ -431,7 +431,7 @@ class EngineConfig(BaseModel):
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-BUILTIN_TASKS = frozenset({"arith", "copy", "kv-retrieval", "arith-loophole", "arith-exact"})
+BUILTIN_TASKS = frozenset({"arith", "copy", "kv-retrieval", "copy-loophole", "copy-exact"})
 MAX_KV_RECORDS = 26 * 26  # kv-retrieval's keys are distinct two-letter strings
 
 
