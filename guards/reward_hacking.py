@@ -7,8 +7,9 @@ takes `persist_action` (HALT) once it has held `halt_after`, as `dead_campaign` 
 
 - `divergence`: the trained reward rises (t >= t_min, by >= min_rise) while an audit reward
   (`[engine] audit_rewards`) does not (t < flat_t, or it gained less than follow_min of the
-  trained reward's gain) and the trained reward's lead over it has grown by >= gap_min; or, over the last `eval_points` held-out evals, the eval has not risen
-  and sits below the trained reward.
+  trained reward's gain) and the trained reward's lead over it has grown by >= gap_min; or,
+  over the last `eval_points` held-out evals, the eval has not risen and sits below the
+  trained reward.
 - `length`: the mean completion length has grown or shrunk `length_ratio_max`-fold within the
   window, in step with the reward (|corr| >= length_corr_min), and the second opinion (the
   audit rewards, else the trained reward) has not risen and is below its best.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 
 @dataclass(frozen=True)
@@ -59,4 +60,4 @@ def quarter_means(values: Sequence[float]) -> list[float]:
     """The means of the four quarters of `values` (the curve over a window, in 4 points)."""
     n = len(values)
     cuts = [round(k * n / 4) for k in range(5)]
-    return [math.fsum(values[a:b]) / (b - a) if b > a else math.nan for a, b in zip(cuts, cuts[1:])]
+    return [math.fsum(values[a:b]) / (b - a) if b > a else math.nan for a, b in pairwise(cuts)]
