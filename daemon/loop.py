@@ -465,6 +465,7 @@ class Daemon:
             self._eval_failed(exc)
             return
         self.recorder.note_eval(result.to_dict())
+        self.policy.observe_eval(result.step, result.rewards)  # reward_hacking's second opinion
         if self.metrics is not None:
             self.metrics.observe_eval(result.step, result.rewards)
             self.metrics.phase_seconds.labels("eval").observe(result.seconds)

@@ -181,6 +181,10 @@ class EntropyConfig(_Section):
     action: ActionName = "WARN"
 
 
+# the reward_hacking guard's rules (each a finding `kind`), in the order it tests them
+REWARD_HACKING_RULES = ("divergence", "length", "degeneration", "term_dominance", "kl_efficiency")
+
+
 class RewardHackingConfig(_Section):
     """The campaign's goal (guards/reward_hacking.py): the trained reward rising while a
     second opinion (audit rewards, the held-out eval) does not, length drift, degeneration,

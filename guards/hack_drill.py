@@ -36,6 +36,7 @@ HACK = dict(
     max_new_tokens=4,
     seq_len=16,
     audit_rewards=[AUDIT_EXACT],
+    threads=1,  # a drill beside other work: one thread is faster than oversubscribed ones
 )
 HONEST_TASK = "copy-exact"
 SMOOTH = 4  # steps averaged when the onset is located

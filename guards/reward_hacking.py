@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grpod.guards.base import Guard, is_finite
+from grpod.guards.config import REWARD_HACKING_RULES
 from grpod.guards.correlation import pearson
 from grpod.guards.errors import GuardsError
 from grpod.guards.trend import Trend, quarter_means, trend
@@ -42,7 +43,7 @@ from grpod.guards.verdict import Action, Finding
 if TYPE_CHECKING:
     from grpod.engine import StepReport, TransportBatch
 
-RULES = ("divergence", "length", "degeneration", "term_dominance", "kl_efficiency")
+RULES = REWARD_HACKING_RULES
 TRAINED = "trained"  # the second opinion's name when there is no audit reward
 
 
