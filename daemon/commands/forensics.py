@@ -191,8 +191,9 @@ def _incidents_show(args: argparse.Namespace) -> int:
     if count is None:
         count = int(config.get("daemon", {}).get("log_samples", 0))
     samples, note = _decoded(config, batch, count) if count > 0 else ([], "")
+    examples = _examples(config, batch, detail["findings"])
     if args.json:
-        detail = {**detail, "samples": samples}
+        detail = {**detail, "samples": samples, "examples": examples}
         print(json.dumps(detail))
         return 0
     print(
@@ -205,8 +206,8 @@ def _incidents_show(args: argparse.Namespace) -> int:
     )
     for finding in detail["findings"]:
         print(f"  [{finding.get('action')}] {finding.get('guard')}: {finding.get('message')}")
-        for key, value in (finding.get("evidence") or {}).items():
-            print(f"      {key} = {value}")
+        for line in evidence_lines(finding.get("evidence") or {}):
+            print(f"      {line}")
     report = detail["report"]
     for name in ("loss", "valid_tokens", "expected_valid_tokens", "grad_norm", "reward_mean"):
         print(f"  {name:<22} {report.get(name)}")
@@ -226,9 +227,52 @@ def _incidents_show(args: argparse.Namespace) -> int:
         )
         print(f"    prompt:     {sample['prompt']!r}")
         print(f"    completion: {sample['completion']!r}")
+    for sample in examples:  # the samples a finding names as its evidence
+        audits = " ".join(f"{k}={v:g}" for k, v in sample["audits"].items())
+        print(f"  evidence sample {sample['sample']}: reward {sample['reward']:g} ({audits})")
+        print(f"    prompt:     {sample['prompt']!r}")
+        print(f"    completion: {sample['completion']!r}")
     if note:
         print(f"  note: {note}")
     return 0
+
+
+def _examples(config: dict[str, Any], batch: Any, findings: list[dict[str, Any]]) -> list:
+    """The samples findings name in their evidence (`example_sample`: reward_hacking's
+    highest trained reward with the lowest audit reward), decoded."""
+    wanted = sorted(
+        {
+            int(f["evidence"]["example_sample"])
+            for f in findings
+            if "example_sample" in f.get("evidence", {})
+        }
+    )
+    if not wanted:
+        return []
+    decoded, _ = _decoded(config, batch, max(wanted) + 1)
+    return [decoded[i] for i in wanted if i < len(decoded)]
+
+
+def evidence_lines(evidence: dict[str, Any]) -> list[str]:
+    """A finding's evidence, one line per number; a curve (`NAME_q1`..`NAME_q4`, quarter means
+    of a window, and `NAME_t`, its trend's t) on one line."""
+    lines, curves = [], {}
+    for key, value in evidence.items():
+        name, _, part = key.rpartition("_")
+        if name and (part in ("q1", "q2", "q3", "q4", "t")):
+            curves.setdefault(name, {})[part] = value
+        else:
+            lines.append(f"{key} = {value}")
+    drawn = []
+    for name, parts in curves.items():
+        points = " -> ".join(_short(parts[q]) for q in ("q1", "q2", "q3", "q4") if q in parts)
+        trend = f" (trend t {_short(parts['t'])})" if "t" in parts else ""
+        drawn.append(f"{name} over the window (quarter means): {points}{trend}")
+    return drawn + lines
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _decoded(config: dict[str, Any], batch: Any, limit: int | None) -> tuple[list, str]:
