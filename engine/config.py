@@ -109,7 +109,11 @@ class EngineConfig(BaseModel):
     # model and task
     model: str = Field("tiny-qwen2", description="'tiny-qwen2' or a local model directory")
     dtype: Literal["float32", "bfloat16"] = "float32"
-    task: str = Field("arith", description="arith | copy | kv-retrieval | path to a JSONL file")
+    task: str = Field(
+        "arith",
+        description="arith | copy | kv-retrieval | path to a JSONL file (copy-loophole and "
+        "copy-exact: the reward-hacking drill's tasks)",
+    )
     reward: str = Field("", description="module:function for a JSONL task (default: exact match)")
     rewards: list[str] = Field(
         default_factory=list,

@@ -186,12 +186,7 @@ REWARD_HACKING_RULES = ("divergence", "length", "degeneration", "term_dominance"
 
 
 class RewardHackingConfig(_Section):
-    """The campaign's goal (guards/reward_hacking.py): the trained reward rising while a
-    second opinion (audit rewards, the held-out eval) does not, length drift, degeneration,
-    one reward term crowding out the others, KL growing without gain. Each rule is a trend
-    test over the last `window` steps; it WARNs after holding `warn_after` steps in a row and
-    takes `persist_action` after `halt_after`. Defaults and the figures that set them: README
-    (Guards) and bench/README."""
+    """Reward hacking and degeneration: trend tests over a window, WARN, HALT on persistence."""
 
     window: int = Field(32, ge=4, description="steps each rule's trend test reads")
     min_steps: int = Field(16, ge=4, description="steps before the rules are tested")
