@@ -222,7 +222,7 @@ class RewardHackingGuard(Guard):
     def _kl_efficiency(self) -> tuple[str, dict[str, float]] | None:
         cfg = self.config
         kls = self._series("kl")
-        if any(not math.isfinite(v) for v in kls):
+        if any(v is None for v in kls):
             return None
         drift = trend(kls)
         if not (drift.rising(cfg.t_min) and drift.rise >= cfg.kl_min_rise):
@@ -248,7 +248,7 @@ class RewardHackingGuard(Guard):
         return [r[key] for r in self.steps]
 
     def _term(self, name: str) -> list[float]:
-        return [r["terms"].get(name, math.nan) for r in self.steps]
+        return [r["terms"].get(name, 0.0) for r in self.steps]
 
     def _audit_names(self) -> list[str]:
         return sorted({name for r in self.steps for name in r["audits"]})
@@ -321,12 +321,16 @@ def _record(report: StepReport) -> dict[str, Any]:
     return {
         "step": report.step,
         "reward": float(report.reward_mean),
-        "audits": {name: float(s["mean"]) for name, s in report.audit_rewards.items()},
-        "terms": {name: float(s["mean"]) for name, s in report.reward_functions.items()},
+        "audits": {
+            n: float(s["mean"]) for n, s in report.audit_rewards.items() if is_finite(s["mean"])
+        },
+        "terms": {
+            n: float(s["mean"]) for n, s in report.reward_functions.items() if is_finite(s["mean"])
+        },
         "length": float(report.completion_length_mean),
         "repeated_ngram_fraction": float(stats.get("repeated_ngram_fraction", 0.0)),
         "identical_completion_fraction": float(stats.get("identical_completion_fraction", 0.0)),
-        "kl": math.nan if report.kl is None else float(report.kl),
+        "kl": float(report.kl) if is_finite(report.kl) else None,  # strict JSON: checkpointed
     }
 
 

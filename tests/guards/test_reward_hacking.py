@@ -3,6 +3,7 @@ honest version of the same history; persistence HALTs; state round-trips."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -188,7 +189,8 @@ def test_state_round_trips_and_rejects_garbage() -> None:
     guard = RewardHackingGuard(RewardHackingConfig())
     _run(guard, [_step(s, 0.3 + 0.02 * s, 0.0, kl=0.01) for s in range(20)])
     guard.observe_eval(10, {"total": 0.2})
-    state = guard.state_dict()
+    _run(guard, [_step(20, 0.7, 0.0)])  # a step without KL: None, strict JSON in the checkpoint
+    state = json.loads(json.dumps(guard.state_dict(), allow_nan=False))
     again = RewardHackingGuard(RewardHackingConfig())
     again.load_state_dict(state)
     assert again.state_dict() == state
