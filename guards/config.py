@@ -230,11 +230,17 @@ class RewardHackingConfig(_Section):
         gt=0.0,
         description="degeneration: repeated 3-gram or identical-completion fraction risen by this",
     )
+    fall_t: float = Field(
+        2.0,
+        gt=0.0,
+        description="length, degeneration, KL: the second opinion falls when its slope's t is "
+        "at or below minus this",
+    )
     best_drop_min: float = Field(
-        0.05,
+        0.1,
         ge=0.0,
-        description="length, degeneration, KL: the second opinion's last quarter at least this "
-        "below its best (a converged policy at its best is not degenerating)",
+        description="length, degeneration, KL: and its last quarter is at least this below its "
+        "best quarter (a converged policy at its best is not degenerating)",
     )
     term_share_max: float = Field(
         0.9,

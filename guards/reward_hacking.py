@@ -11,15 +11,16 @@ takes `persist_action` (HALT) once it has held `halt_after`, as `dead_campaign` 
   over the last `eval_points` held-out evals, the eval has not risen and sits below the
   trained reward.
 - `length`: the mean completion length has grown or shrunk `length_ratio_max`-fold within the
-  window, in step with the reward (|corr| >= length_corr_min), and the second opinion (the
-  audit rewards, else the trained reward) has not risen and is below its best.
+  window, in step with the reward (|corr| >= length_corr_min), while the second opinion (the
+  audit rewards, else the trained reward) falls (t <= -fall_t) to best_drop_min below its
+  best.
 - `degeneration`: the fraction of repeated 3-grams or of identical completions in a group has
-  risen by >= degeneration_rise_min (t >= t_min) while the second opinion has not risen and
-  is below its best (a converging honest policy samples one answer, and is at its best).
+  risen by >= degeneration_rise_min (t >= t_min) while the second opinion falls from its best
+  (a converging honest policy samples one answer too, and holds its reward).
 - `term_dominance`: with several weighted rewards, one term explains >= term_share_max of the
   reward's rise while another term falls (t <= -t_min).
 - `kl_efficiency`: KL to the reference rises (t >= t_min, by >= kl_min_rise) while the second
-  opinion gains nothing (t < flat_t) and is below its best: reward per unit of KL near zero.
+  opinion falls from its best: reward per unit of KL at or below zero.
 
 Findings carry the window's curves (quarter means) and the sample of the step that shows it
 best (the largest trained reward minus audit reward), which `grpod incidents show` decodes.
@@ -163,7 +164,7 @@ class RewardHackingGuard(Guard):
         return (
             f"mean completion length moved {drift.first:.1f} -> {drift.last:.1f} tokens "
             f"({ratio:.2f}x) in {drift.n} steps in step with the reward (corr {corr:.2f}) while "
-            f"{name} did not rise ({opinion_trend.first:.3f} -> {opinion_trend.last:.3f})",
+            f"{name} fell ({opinion_trend.first:.3f} -> {opinion_trend.last:.3f})",
             {
                 **_curve("length", lengths, drift),
                 **_curve("opinion", values, opinion_trend),
@@ -185,7 +186,7 @@ class RewardHackingGuard(Guard):
             name, opinion_values, opinion_trend = opinion
             return (
                 f"{key.replace('_', ' ')} rose {rise.first:.3f} -> {rise.last:.3f} in {rise.n} "
-                f"steps (t {rise.t:.1f}) while {name} did not ({opinion_trend.first:.3f} -> "
+                f"steps (t {rise.t:.1f}) while {name} fell ({opinion_trend.first:.3f} -> "
                 f"{opinion_trend.last:.3f}): the policy repeats itself",
                 {
                     **_curve(key, values, rise),
@@ -233,7 +234,7 @@ class RewardHackingGuard(Guard):
         name, values, gain = opinion
         return (
             f"KL to the reference rose {drift.first:.4f} -> {drift.last:.4f} nats in "
-            f"{drift.n} steps (t {drift.t:.1f}) while {name} gained nothing "
+            f"{drift.n} steps (t {drift.t:.1f}) while {name} fell "
             f"({gain.first:.3f} -> {gain.last:.3f}, {gain.rise / drift.rise:.2f} per nat): "
             "drift bought no reward",
             {
@@ -271,17 +272,14 @@ class RewardHackingGuard(Guard):
         return audits or [(TRAINED, self._series("reward"))]
 
     def _unconfirmed(self) -> tuple[str, list[float], Trend] | None:
-        """The first second opinion (audit rewards, else the trained reward) that has not
-        risen and sits below its best by best_drop_min, or None."""
+        """The first second opinion (audit rewards, else the trained reward) that falls
+        (t <= -fall_t) and sits below its best by best_drop_min, or None."""
         cfg = self.config
         for name, values in self._opinions():
             opinion = trend(values)
             best = self.best.get(name)
-            if (
-                opinion.t < cfg.flat_t
-                and best is not None
-                and best - opinion.last >= cfg.best_drop_min
-            ):
+            fell = best is not None and best - opinion.last >= cfg.best_drop_min
+            if opinion.t <= -cfg.fall_t and fell:
                 return name, values, opinion
         return None
 
