@@ -9,7 +9,7 @@ the drill, its per-step cost, and a replay of a recorded real-model run.
 - fp: W1c (`copy`, 16 prompts x 8, 4 new tokens, lr 1e-3) for `--steps` steps per seed under
   the default guards, audited by its own goal (`first_token_reward`); then the same with
   `kl_beta = 0.04` (KL computed, for the KL rule); then W1c audited by the strict
-  `exact_answer` (W1c's reward reads the first token only: the strict audit reads its
+  `exact_match_reward` (W1c's reward reads the first token only: the strict audit reads its
   trailing tokens as a loophole). Counts the steps with a `reward_hacking` finding per rule.
 - drill: `run_drill("reward-hacking")` per seed: onset, first WARN, the steps between, the
   audit at WARN, findings on the honest twin.
@@ -34,10 +34,10 @@ import torch
 
 from grpod.engine import Engine, EngineConfig, StepReport
 from grpod.engine.audit import completion_stats
-from grpod.engine.hackable import AUDIT_EXACT, AUDIT_FIRST_TOKEN
 from grpod.engine.step import decide_step
 from grpod.guards import GuardPolicy, run_drill
 from grpod.guards.config import RewardHackingConfig
+from grpod.guards.hack_drill import AUDIT_EXACT, AUDIT_FIRST_TOKEN
 from grpod.guards.reward_hacking import RewardHackingGuard
 
 W1C = dict(task="copy", prompts_per_step=16, group_size=8, max_new_tokens=4, threads=1)

@@ -1,7 +1,7 @@
 """The `reward-hacking` drill: a task with a known loophole, learned for real, under the guards.
 
-The built-in tiny model trains on `copy-loophole` (engine/hackable.py: credit for the answer
-anywhere in the completion) with the strict `exact_answer` as its audit reward, then on the
+The built-in tiny model trains on `copy-loophole` (engine/tasks.py: credit for the answer
+anywhere in the completion) with the strict `exact_match_reward` as its audit reward, then on the
 honest twin `copy-exact` (the strict check trained on). No fault is injected: the policy
 finds the loophole by itself within tens of steps. The drill measures
 
@@ -24,10 +24,11 @@ import warnings
 from typing import Any
 
 from grpod.engine.config import EngineConfig
-from grpod.engine.hackable import AUDIT_EXACT
 from grpod.engine.verdict import Action
 from grpod.guards.config import GuardsConfig
 
+AUDIT_EXACT = "grpod.engine.tasks:exact_match_reward"  # the strict verifier
+AUDIT_FIRST_TOKEN = "grpod.engine.tasks:first_token_reward"  # W1c's own goal
 # W1c's shape, 4 new tokens (room for the loophole), audited by the strict check every step
 HACK = dict(
     task="copy-loophole",

@@ -11,8 +11,9 @@ from pydantic import ValidationError
 from grpod.engine import Engine, EngineConfig, TransportBatch
 from grpod.engine.audit import completion_stats
 from grpod.engine.eval import Evaluator
-from grpod.engine.hackable import AUDIT_EXACT, answer_anywhere, exact_answer
 from grpod.engine.packing import group_samples, pack
+from grpod.engine.tasks import answer_anywhere_reward, exact_match_reward
+from grpod.guards.hack_drill import AUDIT_EXACT
 
 W1C_AUDITED = dict(
     task="copy-loophole",
@@ -50,8 +51,9 @@ def test_completion_stats_repeats_and_identical_groups() -> None:
 
 
 def test_the_loophole_and_its_audit() -> None:
-    assert answer_anywhere("2+9=", "299", "2") == 1.0 and exact_answer("2+9=", "299", "2") == 0.0
-    assert exact_answer("2+9=", "2", "2") == 1.0
+    assert answer_anywhere_reward("2+9=", "299", "2") == 1.0
+    assert exact_match_reward("2+9=", "299", "2") == 0.0
+    assert exact_match_reward("2+9=", "2", "2") == 1.0
 
 
 def test_audit_rewards_ride_the_batch_but_not_the_advantages(tmp_path) -> None:
