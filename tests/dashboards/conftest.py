@@ -36,6 +36,7 @@ group_size = 4
 threads = 1
 rewards = ["{REWARDS[0]}", "{REWARDS[1]}"]
 reward_weights = [1.0, 0.0]
+audit_rewards = ["grpod.engine.tasks:exact_match_reward"]  # grpod_audit_reward_mean
 eval_task = "arith"
 eval_every = {EVAL_EVERY}
 eval_samples = 4
