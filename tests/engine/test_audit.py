@@ -13,16 +13,9 @@ from grpod.engine.audit import completion_stats
 from grpod.engine.eval import Evaluator
 from grpod.engine.packing import group_samples, pack
 from grpod.engine.tasks import answer_anywhere_reward, exact_match_reward
-from grpod.guards.hack_drill import AUDIT_EXACT
+from grpod.guards.hack_drill import AUDIT_EXACT, HACK
 
-W1C_AUDITED = dict(
-    task="copy-loophole",
-    prompts_per_step=2,
-    group_size=4,
-    max_new_tokens=4,
-    seq_len=16,
-    audit_rewards=[AUDIT_EXACT],
-)
+W1C_AUDITED = {**HACK, "prompts_per_step": 2, "group_size": 4}  # the drill's, smaller
 
 
 def _batch(completions: list[list[int]], group_size: int) -> TransportBatch:
