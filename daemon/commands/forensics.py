@@ -205,7 +205,8 @@ def _incidents_show(args: argparse.Namespace) -> int:
         f"({detail['steps']} with the finding), worst step {detail['worst_step']}"
     )
     for finding in detail["findings"]:
-        print(f"  [{finding.get('action')}] {finding.get('guard')}: {finding.get('message')}")
+        what = " ".join(filter(None, (finding.get("guard"), finding.get("kind"))))
+        print(f"  [{finding.get('action')}] {what}: {finding.get('message')}")
         for line in evidence_lines(finding.get("evidence") or {}):
             print(f"      {line}")
     report = detail["report"]
