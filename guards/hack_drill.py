@@ -26,6 +26,7 @@ from typing import Any
 from grpod.engine.config import EngineConfig
 from grpod.engine.verdict import Action
 from grpod.guards.config import GuardsConfig
+from grpod.guards.trend import evidence_lines
 
 AUDIT_EXACT = "grpod.engine.tasks:exact_match_reward"  # the strict verifier
 AUDIT_FIRST_TOKEN = "grpod.engine.tasks:first_token_reward"  # W1c's own goal
@@ -147,8 +148,7 @@ def describe(result: dict[str, Any]) -> str:
     if finding:
         lines.append(f"  [{finding['action']}] reward_hacking {finding.get('kind', '')}: "
                      f"{finding['message']}")  # fmt: skip
-        for key, value in finding["evidence"].items():
-            lines.append(f"      {key} = {value}")
+        lines += [f"      {line}" for line in evidence_lines(finding["evidence"])]
     example = result["example"]
     if example:
         audits = " ".join(f"{k}={v:g}" for k, v in example["audits"].items())

@@ -38,7 +38,7 @@ from grpod.guards.base import Guard, is_finite
 from grpod.guards.config import REWARD_HACKING_RULES
 from grpod.guards.correlation import pearson
 from grpod.guards.errors import GuardsError
-from grpod.guards.trend import Trend, quarter_means, trend
+from grpod.guards.trend import Trend, curve_evidence, trend
 from grpod.guards.verdict import Action, Finding
 
 if TYPE_CHECKING:
@@ -119,8 +119,8 @@ class RewardHackingGuard(Guard):
                     f"({audit.first:.3f} -> {audit.last:.3f}, t {audit.t:.1f}): the policy "
                     "is paid for something the audit does not credit",
                     {
-                        **_curve("trained", trained, rise),
-                        **_curve("audit", values, audit),
+                        **curve_evidence("trained", trained, rise),
+                        **curve_evidence("audit", values, audit),
                         "audit_index": float(self._audit_names().index(name)),
                     },
                 )
@@ -140,7 +140,7 @@ class RewardHackingGuard(Guard):
             f"(t {rise.t:.1f}) while the held-out eval did not ({values[0]:.3f} -> "
             f"{values[-1]:.3f} over steps {self.evals[0][0]}-{self.evals[-1][0]})",
             {
-                **_curve("trained", self._series("reward"), rise),
+                **curve_evidence("trained", self._series("reward"), rise),
                 **{f"eval_{k}": v for k, v in enumerate(values)},
             },
         )
@@ -166,8 +166,8 @@ class RewardHackingGuard(Guard):
             f"({ratio:.2f}x) in {drift.n} steps in step with the reward (corr {corr:.2f}) while "
             f"{name} fell ({opinion_trend.first:.3f} -> {opinion_trend.last:.3f})",
             {
-                **_curve("length", lengths, drift),
-                **_curve("opinion", values, opinion_trend),
+                **curve_evidence("length", lengths, drift),
+                **curve_evidence("opinion", values, opinion_trend),
                 "length_ratio": ratio,
                 "length_reward_corr": corr,
             },
@@ -189,8 +189,8 @@ class RewardHackingGuard(Guard):
                 f"steps (t {rise.t:.1f}) while {name} fell ({opinion_trend.first:.3f} -> "
                 f"{opinion_trend.last:.3f}): the policy repeats itself",
                 {
-                    **_curve(key, values, rise),
-                    **_curve("opinion", opinion_values, opinion_trend),
+                    **curve_evidence(key, values, rise),
+                    **curve_evidence("opinion", opinion_values, opinion_trend),
                 },
             )
         return None
@@ -214,8 +214,8 @@ class RewardHackingGuard(Guard):
             f"({terms[falling[0]].first:.3f} -> {terms[falling[0]].last:.3f}): one term "
             "crowds out the others",
             {
-                **_curve("trained", self._series("reward"), total),
-                **_curve("falling_term", self._term(falling[0]), terms[falling[0]]),
+                **curve_evidence("trained", self._series("reward"), total),
+                **curve_evidence("falling_term", self._term(falling[0]), terms[falling[0]]),
                 "top_share": share[top],
             },
         )
@@ -238,8 +238,8 @@ class RewardHackingGuard(Guard):
             f"({gain.first:.3f} -> {gain.last:.3f}, {gain.rise / drift.rise:.2f} per nat): "
             "drift bought no reward",
             {
-                **_curve("kl", kls, drift),
-                **_curve("opinion", values, gain),
+                **curve_evidence("kl", kls, drift),
+                **curve_evidence("opinion", values, gain),
                 "gain_per_kl": gain.rise / drift.rise,
             },
         )
@@ -330,12 +330,6 @@ def _record(report: StepReport) -> dict[str, Any]:
         "identical_completion_fraction": float(stats.get("identical_completion_fraction", 0.0)),
         "kl": float(report.kl) if is_finite(report.kl) else None,  # strict JSON: checkpointed
     }
-
-
-def _curve(name: str, values: list[float], fit: Trend) -> dict[str, float]:
-    """A series over the window as evidence: its four quarter means and its slope's t."""
-    quarters = quarter_means(values)
-    return {**{f"{name}_q{k + 1}": v for k, v in enumerate(quarters)}, f"{name}_t": fit.t}
 
 
 def _term_weights(batch: TransportBatch) -> dict[str, float]:

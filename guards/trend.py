@@ -3,7 +3,8 @@
 The campaign-health rules (`reward_hacking`) decide "rises", "falls" and "stays flat" with
 one test, not with a single step: the slope of a series against its index and the slope's
 t-statistic (slope / its standard error, n - 2 degrees of freedom). Pure Python over a few
-dozen floats (no tensors: a guard's per-step cost stays in microseconds).
+dozen floats (no tensors: a guard's per-step cost stays in microseconds). A finding carries a
+curve as `curve_evidence` writes it; `evidence_lines` draws it for `grpod incidents show`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,32 @@ def quarter_means(values: Sequence[float]) -> list[float]:
     n = len(values)
     cuts = [round(k * n / 4) for k in range(5)]
     return [math.fsum(values[a:b]) / (b - a) if b > a else math.nan for a, b in pairwise(cuts)]
+
+
+def curve_evidence(name: str, values: Sequence[float], fit: Trend) -> dict[str, float]:
+    """A series over a window as a finding's evidence: `NAME_q1..q4` (its quarter means) and
+    `NAME_t` (its trend's t); `evidence_lines` draws it back as one line."""
+    quarters = quarter_means(values)
+    return {**{f"{name}_q{k + 1}": v for k, v in enumerate(quarters)}, f"{name}_t": fit.t}
+
+
+def evidence_lines(evidence: dict[str, Any]) -> list[str]:
+    """A finding's evidence, one line per number; a curve (`NAME_q1`..`NAME_q4`, quarter means
+    of a window, and `NAME_t`, its trend's t) on one line."""
+    lines, curves = [], {}
+    for key, value in evidence.items():
+        name, _, part = key.rpartition("_")
+        if name and (part in ("q1", "q2", "q3", "q4", "t")):
+            curves.setdefault(name, {})[part] = value
+        else:
+            lines.append(f"{key} = {value}")
+    drawn = []
+    for name, parts in curves.items():
+        points = " -> ".join(_short(parts[q]) for q in ("q1", "q2", "q3", "q4") if q in parts)
+        fit = f" (trend t {_short(parts['t'])})" if "t" in parts else ""
+        drawn.append(f"{name} over the window (quarter means): {points}{fit}")
+    return drawn + lines
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

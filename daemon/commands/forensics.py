@@ -184,6 +184,7 @@ def _incidents_list(args: argparse.Namespace) -> int:
 
 def _incidents_show(args: argparse.Namespace) -> int:
     from grpod.forensics.incidents import incident_batch
+    from grpod.guards.trend import evidence_lines
 
     _run_dir(args)
     detail, config, batch = incident_batch(args.run_dir, args.id, args.store_url)
@@ -207,7 +208,7 @@ def _incidents_show(args: argparse.Namespace) -> int:
     for finding in detail["findings"]:
         what = " ".join(filter(None, (finding.get("guard"), finding.get("kind"))))
         print(f"  [{finding.get('action')}] {what}: {finding.get('message')}")
-        for line in evidence_lines(finding.get("evidence") or {}):
+        for line in evidence_lines(finding.get("evidence") or {}):  # grpod/guards/trend.py
             print(f"      {line}")
     report = detail["report"]
     for name in ("loss", "valid_tokens", "expected_valid_tokens", "grad_norm", "reward_mean"):
@@ -252,28 +253,6 @@ def _examples(config: dict[str, Any], batch: Any, findings: list[dict[str, Any]]
         return []
     decoded, _ = _decoded(config, batch, max(wanted) + 1)
     return [decoded[i] for i in wanted if i < len(decoded)]
-
-
-def evidence_lines(evidence: dict[str, Any]) -> list[str]:
-    """A finding's evidence, one line per number; a curve (`NAME_q1`..`NAME_q4`, quarter means
-    of a window, and `NAME_t`, its trend's t) on one line."""
-    lines, curves = [], {}
-    for key, value in evidence.items():
-        name, _, part = key.rpartition("_")
-        if name and (part in ("q1", "q2", "q3", "q4", "t")):
-            curves.setdefault(name, {})[part] = value
-        else:
-            lines.append(f"{key} = {value}")
-    drawn = []
-    for name, parts in curves.items():
-        points = " -> ".join(_short(parts[q]) for q in ("q1", "q2", "q3", "q4") if q in parts)
-        trend = f" (trend t {_short(parts['t'])})" if "t" in parts else ""
-        drawn.append(f"{name} over the window (quarter means): {points}{trend}")
-    return drawn + lines
-
-
-def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _decoded(config: dict[str, Any], batch: Any, limit: int | None) -> tuple[list, str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpod.daemon.commands.forensics import evidence_lines
+from grpod.guards.trend import evidence_lines
 
 
 def test_curves_on_one_line_each_other_numbers_as_they_are() -> None:
