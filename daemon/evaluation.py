@@ -9,6 +9,7 @@ from typing import Any
 from grpod.daemon.metrics import Metrics
 from grpod.engine.errors import RewardError
 from grpod.engine.grpo.eval import Evaluator
+from grpod.guards import GuardPolicy
 
 
 class Evaluations:
@@ -24,9 +25,11 @@ class Evaluations:
         *,
         temperature: float,
         on_error: str,
+        policy: GuardPolicy | None = None,
     ) -> None:
         self.evaluator, self.recorder, self.metrics, self.log = evaluator, recorder, metrics, log
         self.temperature, self.on_error = temperature, on_error
+        self.policy = policy  # reward_hacking reads the eval as its second opinion
 
     def run(self, step: int) -> str | None:
         """Evaluate the policy as it stands before `step`; the input failure that stops the
@@ -36,6 +39,8 @@ class Evaluations:
         except RewardError as exc:
             return self._failed(step, exc)
         self.recorder.note_eval(result.to_dict())
+        if self.policy is not None:
+            self.policy.observe_eval(result.step, result.rewards)
         if self.metrics is not None:
             self.metrics.observe_eval(result.step, result.rewards)
             self.metrics.phase_seconds.labels("eval").observe(result.seconds)

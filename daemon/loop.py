@@ -231,6 +231,7 @@ class Daemon:
                 self.log,
                 temperature=cfg.engine.eval_temperature,
                 on_error=cfg.engine.eval_on_error,
+                policy=self.policy,
             )
 
     def _loop(self) -> int:

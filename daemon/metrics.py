@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.metrics_core import Metric
 
+from grpod.daemon.campaign_metrics import CampaignMetrics
 from grpod.daemon.metric_families import FAMILIES, REPORT_GAUGES, STEP_FAMILIES, Family
 
 if TYPE_CHECKING:  # engine.step imports the Engine (torch): a type here, not an import
@@ -71,6 +72,7 @@ class Metrics(_Labelled):
             ).set(1)
         self.halted.set(0)
         self._seen = {"incidents": 0, "incident_steps": 0, "blocked": 0}
+        self.campaign = CampaignMetrics(registry)  # audit rewards, degeneration, reward_hacking
 
     def observe_step(
         self,
@@ -112,6 +114,7 @@ class Metrics(_Labelled):
             self.completion_tokens_total.inc(
                 round(report.completion_length_mean * report.num_samples)
             )
+        self.campaign.observe(report, verdict)
         self.step.set(report.step)
         self.last_step_timestamp.set(time.time() if now is None else now)
 

@@ -66,6 +66,8 @@ class TransportBatch:
     kv_cache_stats: CacheStats | None = None  # that cache after the prefill
     # `[engine] rewards`: each function's value per sample (the rewards are their weighted sum)
     function_rewards: dict[str, list[float]] = field(default_factory=dict)
+    # `[engine] audit_rewards` (engine/data/audit.py): scored, never trained on; {} when not audited
+    audit_rewards: dict[str, list[float]] = field(default_factory=dict)
     # under torchrun (engine/model/parallel.py): whose batch, or the step's global batch (`concat`)
     rank: int = 0
     world_size: int = 1
@@ -162,6 +164,10 @@ class TransportBatch:
                 name: [v for b in batches for v in b.function_rewards[name]]
                 for name in first.function_rewards
             },
+            audit_rewards={
+                name: [v for b in batches for v in b.audit_rewards[name]]
+                for name in first.audit_rewards
+            },
             segments=tuple(s for b in batches for s in b.segments),
         )
 
@@ -186,6 +192,7 @@ class TransportBatch:
             **per_sample,
             # the cache stats stay the global batch's: a rank's own are not recorded apart
             function_rewards={k: v[n] for k, v in self.function_rewards.items()},
+            audit_rewards={k: v[n] for k, v in self.audit_rewards.items()},
             rank=rank,
             micro_order=order,
             rank_micros=(),
@@ -214,6 +221,8 @@ class TransportBatch:
             ),
             **self._rank_metadata(),
         }
+        if self.audit_rewards:  # absent without audit rewards: those digests are unchanged
+            metadata["audit_rewards"] = json.dumps(self.audit_rewards, sort_keys=True)
         if self.kv_cache is not None:  # absent for a dense rollout: its digest is unchanged
             metadata["kv_cache"] = self.kv_cache.to_json()
         if self.kv_cache_stats is not None:
@@ -333,6 +342,7 @@ def _provenance(metadata: dict[str, str]) -> dict[str, Any]:
         "kv_cache": KVCacheSpec.from_json(kv_cache) if kv_cache else None,
         "kv_cache_stats": CacheStats.from_json(kv_stats) if kv_stats else None,
         "function_rewards": json.loads(metadata.get("function_rewards", "{}")),
+        "audit_rewards": json.loads(metadata.get("audit_rewards", "{}")),
         "weight_version": None if version is None else int(version),
         "weight_sync": WeightSyncCheck.from_json(check) if check else None,
         "staleness": None if staleness is None else int(staleness),

@@ -109,7 +109,11 @@ class EngineConfig(BaseModel):
     # model and task
     model: str = Field("tiny-qwen2", description="'tiny-qwen2' or a local model directory")
     dtype: Literal["float32", "bfloat16"] = "float32"
-    task: str = Field("arith", description="arith | copy | kv-retrieval | path to a JSONL file")
+    task: str = Field(
+        "arith",
+        description="arith | copy | kv-retrieval | path to a JSONL file (copy-loophole and "
+        "copy-exact: the reward-hacking drill's tasks)",
+    )
     reward: str = Field("", description="module:function for a JSONL task (default: exact match)")
     rewards: list[str] = Field(
         default_factory=list,
@@ -124,6 +128,13 @@ class EngineConfig(BaseModel):
     reward_timeout_seconds: float = Field(
         60.0, ge=0.0, description="a reward call running longer is the reward's failure; 0 = none"
     )
+    audit_rewards: list[str] = Field(
+        default_factory=list,
+        description="module:function rewards scored and recorded but never trained on "
+        "(engine/data/audit.py): a stricter verifier, a format check; the reward_hacking guard's "
+        "second opinion",
+    )
+    audit_every: int = Field(1, ge=1, description="score the audit rewards every N steps")
     prompt_format: Literal["raw", "chat"] = Field(
         "raw", description="raw text, or the tokenizer's chat_template with a generation prompt"
     )
@@ -314,6 +325,8 @@ class EngineConfig(BaseModel):
             )
         if len(set(self.rewards)) != len(self.rewards):
             raise ValueError("rewards lists a function twice")
+        if len(set(self.audit_rewards)) != len(self.audit_rewards):
+            raise ValueError("audit_rewards lists a function twice")
         if self.system_prompt and self.prompt_format != "chat":
             raise ValueError("system_prompt needs prompt_format = 'chat'")
         if self.eval_every and not self.eval_task:
@@ -422,7 +435,7 @@ class EngineConfig(BaseModel):
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-BUILTIN_TASKS = frozenset({"arith", "copy", "kv-retrieval"})
+BUILTIN_TASKS = frozenset({"arith", "copy", "kv-retrieval", "copy-loophole", "copy-exact"})
 MAX_KV_RECORDS = 26 * 26  # kv-retrieval's keys are distinct two-letter strings
 
 

@@ -100,6 +100,10 @@ class StepReport:
     entropy: float | None = None
     # `[engine] rewards`: each function's {"mean", "std"} over the step's completions
     reward_functions: dict[str, dict[str, float]] = field(default_factory=dict)
+    # `[engine] audit_rewards` (never trained on): each one's {"mean", "std"}; {} on steps not
+    # audited; and the completions' degeneration statistics (engine/data/audit.py)
+    audit_rewards: dict[str, dict[str, float]] = field(default_factory=dict)
+    completion_stats: dict[str, float] = field(default_factory=dict)
     # scale-out (engine/model/parallel.py); one process: rank 0 of 1, global == local
     rank: int = 0
     world_size: int = 1

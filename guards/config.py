@@ -192,6 +192,85 @@ class EntropyConfig(_Section):
     action: ActionName = "WARN"
 
 
+# the reward_hacking guard's rules (each a finding `kind`), in the order it tests them
+REWARD_HACKING_RULES = ("divergence", "length", "degeneration", "term_dominance", "kl_efficiency")
+
+
+class RewardHackingConfig(_Section):
+    """Reward hacking and degeneration: trend tests over a window, WARN, HALT on persistence."""
+
+    window: int = Field(32, ge=4, description="steps each rule's trend test reads")
+    min_steps: int = Field(16, ge=4, description="steps before the rules are tested")
+    t_min: float = Field(
+        4.0,
+        gt=0.0,
+        description="a series rises (or falls) when its slope's t-statistic is past this",
+    )
+    flat_t: float = Field(
+        1.0, description="a second opinion 'does not rise' when its slope's t is below this"
+    )
+    follow_min: float = Field(
+        0.25,
+        ge=0.0,
+        description="divergence: an audit that gained less than this fraction of the trained "
+        "reward's gain (last quarter minus first) has not followed it",
+    )
+    min_rise: float = Field(
+        0.1, gt=0.0, description="the trained reward's least rise over the window (reward units)"
+    )
+    gap_min: float = Field(
+        0.1,
+        ge=0.0,
+        description="divergence: the trained reward's lead over the audit (last quarter) "
+        "must have grown by this much and be positive",
+    )
+    eval_points: int = Field(
+        4, ge=3, description="divergence against the eval: its last N results (eval_every apart)"
+    )
+    length_ratio_max: float = Field(
+        2.0,
+        gt=1.0,
+        description="length drift: the window's last-quarter mean length over its first, or "
+        "the inverse, at least this",
+    )
+    length_corr_min: float = Field(
+        0.5, ge=0.0, le=1.0, description="length drift: |corr(length, reward)| at least this"
+    )
+    degeneration_rise_min: float = Field(
+        0.2,
+        gt=0.0,
+        description="degeneration: repeated 3-gram or identical-completion fraction risen by this",
+    )
+    fall_t: float = Field(
+        2.0,
+        gt=0.0,
+        description="length, degeneration, KL: the second opinion falls when its slope's t is "
+        "at or below minus this",
+    )
+    best_drop_min: float = Field(
+        0.1,
+        ge=0.0,
+        description="length, degeneration, KL: and its last quarter is at least this below its "
+        "best quarter (a converged policy at its best is not degenerating)",
+    )
+    term_share_max: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="one weighted term's share of the reward's rise at or above this, while "
+        "another term falls",
+    )
+    kl_min_rise: float = Field(
+        0.01, gt=0.0, description="KL: its least rise over the window (nats per token)"
+    )
+    warn_after: int = Field(3, ge=1, description="steps in a row a rule holds before it WARNs")
+    halt_after: int = Field(
+        64, ge=1, description="steps in a row a rule holds before `persist_action`"
+    )
+    action: ActionName = Field("WARN", description="the onset")
+    persist_action: ActionName = Field("HALT", description="WARN keeps a hacked campaign running")
+
+
 def as_config(config: GuardsConfig | dict | None) -> GuardsConfig:
     """A GuardsConfig from itself, a dict (e.g. a TOML section) or None (the defaults); a bad
     dict is a GuardsError naming the first bad key and the reason."""
@@ -228,10 +307,11 @@ class GuardsConfig(BaseModel):
     dead_campaign: DeadCampaignConfig = DeadCampaignConfig()
     reward_trend: RewardTrendConfig = RewardTrendConfig()
     entropy: EntropyConfig = EntropyConfig()
+    reward_hacking: RewardHackingConfig = RewardHackingConfig()
 
     @model_validator(mode="after")
     def _check(self) -> GuardsConfig:
-        for name in ("gradnorm_vtc_correlation", "spike"):
+        for name in ("gradnorm_vtc_correlation", "spike", "reward_hacking"):
             section = getattr(self, name)
             if section.min_steps > section.window:
                 raise ValueError(

@@ -8,6 +8,9 @@ AdamW state, schedule) bit-identical.
   step when its update is not applied (flushed or skipped) on a finding of its target guard;
   in `vtc-last-chunk` with accounting mode `nonzero` and the reorder, an applied step whose
   counter read non-zero counts as repaired.
+- `reward-hacking` injects no fault: the tiny model learns a reward's loophole, and the
+  drill checks that `reward_hacking` WARNs within a stated number of steps of the onset and
+  stays silent on the honest twin (guards/hack_drill.py).
 - A WARN drill (`equal-rewards`, `loss-spike`) intercepts a step when its target guard raises
   a finding at WARN or above (the default actions of those guards are WARN).
 - A false positive is a clean step that was flushed or skipped, or on which the target guard
@@ -75,6 +78,10 @@ DRILLS: dict[str, Drill] = {
     "loss-spike": Drill(  # the spike window needs min_steps clean values first
         W1C, "loss_spike_steps", frozenset({"spike"}), Action.WARN, first=34, every=8
     ),
+    # no fault: the policy learns a reward's loophole by itself (guards/hack_drill.py)
+    "reward-hacking": Drill(
+        W1C, "loophole", frozenset({"reward_hacking"}), Action.WARN, default_steps=40
+    ),
 }
 
 
@@ -103,6 +110,10 @@ def run_drill(
     if steps < 1:
         raise GuardsError(f"drill {name}: steps must be >= 1, not {steps}")
     config = as_config(guards)
+    if drill.fault == "loophole":
+        from grpod.guards.hack_drill import run_hack_drill
+
+        return run_hack_drill(steps, seed, config, engine_overrides)
     base = {**drill.engine, "seed": seed, **(engine_overrides or {})}
     started = time.perf_counter()
     tally = _Tally(drill, config)

@@ -3,7 +3,7 @@
 
 Order is fixed: weight_sync and reorder (before), accounting, finite,
 gradnorm_vtc_correlation, spike, advantage, sampler_mismatch, clip, dead_campaign,
-reward_trend, entropy. Under
+reward_trend, entropy, reward_hacking. Under
 torch.distributed every decision (skip, action, the weights check) is all-reduced with max,
 so all ranks apply, flush or skip the same step.
 """
@@ -29,6 +29,7 @@ from grpod.guards.errors import GuardsError
 from grpod.guards.finite import FiniteGuard
 from grpod.guards.mismatch import SamplerMismatchGuard
 from grpod.guards.reorder import ReorderGuard
+from grpod.guards.reward_hacking import RewardHackingGuard
 from grpod.guards.spike import SpikeGuard
 from grpod.guards.verdict import Action, Finding, Verdict
 from grpod.guards.weight_sync import WeightSyncGuard
@@ -46,6 +47,7 @@ GUARD_CLASSES: tuple[type[Guard], ...] = (
     DeadCampaignGuard,
     RewardTrendGuard,
     EntropyGuard,
+    RewardHackingGuard,
 )
 STATE_FORMAT = "grpod.guards_state/1"
 
@@ -101,6 +103,10 @@ class GuardPolicy:
         for guard in self._enabled():
             findings += guard.after(batch, report)
         return findings
+
+    def observe_eval(self, step: int, rewards: dict[str, float]) -> None:
+        """A held-out evaluation's rewards (engine/grpo/eval.py), for `reward_hacking`'s rule."""
+        self.guards["reward_hacking"].observe_eval(step, rewards)  # type: ignore[attr-defined]
 
     def decide(self, findings: list[Finding]) -> Verdict:
         """One verdict: the highest action, all-reduced over ranks, escalated after

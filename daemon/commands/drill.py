@@ -33,6 +33,10 @@ def _drill(args: argparse.Namespace) -> int:
     result = run_drill(args.name, args.steps, args.seed, clean_steps=args.clean_steps)
     if args.json:
         print(json.dumps(result, sort_keys=True))
+    elif args.name == "reward-hacking":
+        from grpod.guards.hack_drill import describe
+
+        print(describe(result))
     else:
         verdict = "ok" if result["ok"] else "FAILED"
         print(

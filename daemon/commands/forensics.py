@@ -184,6 +184,7 @@ def _incidents_list(args: argparse.Namespace) -> int:
 
 def _incidents_show(args: argparse.Namespace) -> int:
     from grpod.forensics.incidents import incident_batch
+    from grpod.guards.trend import evidence_lines
 
     _run_dir(args)
     detail, config, batch = incident_batch(args.run_dir, args.id, args.store_url)
@@ -191,8 +192,9 @@ def _incidents_show(args: argparse.Namespace) -> int:
     if count is None:
         count = int(config.get("daemon", {}).get("log_samples", 0))
     samples, note = _decoded(config, batch, count) if count > 0 else ([], "")
+    examples = _examples(config, batch, detail["findings"])
     if args.json:
-        detail = {**detail, "samples": samples}
+        detail = {**detail, "samples": samples, "examples": examples}
         print(json.dumps(detail))
         return 0
     print(
@@ -204,9 +206,10 @@ def _incidents_show(args: argparse.Namespace) -> int:
         f"({detail['steps']} with the finding), worst step {detail['worst_step']}"
     )
     for finding in detail["findings"]:
-        print(f"  [{finding.get('action')}] {finding.get('guard')}: {finding.get('message')}")
-        for key, value in (finding.get("evidence") or {}).items():
-            print(f"      {key} = {value}")
+        what = " ".join(filter(None, (finding.get("guard"), finding.get("kind"))))
+        print(f"  [{finding.get('action')}] {what}: {finding.get('message')}")
+        for line in evidence_lines(finding.get("evidence") or {}):  # grpod/guards/trend.py
+            print(f"      {line}")
     report = detail["report"]
     for name in ("loss", "valid_tokens", "expected_valid_tokens", "grad_norm", "reward_mean"):
         print(f"  {name:<22} {report.get(name)}")
@@ -226,9 +229,30 @@ def _incidents_show(args: argparse.Namespace) -> int:
         )
         print(f"    prompt:     {sample['prompt']!r}")
         print(f"    completion: {sample['completion']!r}")
+    for sample in examples:  # the samples a finding names as its evidence
+        audits = " ".join(f"{k}={v:g}" for k, v in sample["audits"].items())
+        print(f"  evidence sample {sample['sample']}: reward {sample['reward']:g} ({audits})")
+        print(f"    prompt:     {sample['prompt']!r}")
+        print(f"    completion: {sample['completion']!r}")
     if note:
         print(f"  note: {note}")
     return 0
+
+
+def _examples(config: dict[str, Any], batch: Any, findings: list[dict[str, Any]]) -> list:
+    """The samples findings name in their evidence (`example_sample`: reward_hacking's
+    highest trained reward with the lowest audit reward), decoded."""
+    wanted = sorted(
+        {
+            int(f["evidence"]["example_sample"])
+            for f in findings
+            if "example_sample" in f.get("evidence", {})
+        }
+    )
+    if not wanted:
+        return []
+    decoded, _ = _decoded(config, batch, max(wanted) + 1)
+    return [decoded[i] for i in wanted if i < len(decoded)]
 
 
 def _decoded(config: dict[str, Any], batch: Any, limit: int | None) -> tuple[list, str]:

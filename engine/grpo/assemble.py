@@ -15,6 +15,7 @@ import torch
 from grpod.engine.batch import TransportBatch
 from grpod.engine.config import EngineConfig
 from grpod.engine.data.advantages import group_advantages
+from grpod.engine.data.audit import AuditSet
 from grpod.engine.data.packing import group_samples, pack
 from grpod.engine.data.rewards import RewardSet
 from grpod.engine.data.tasks import Prompt
@@ -48,6 +49,7 @@ class Assembler:
         self.config, self.rewards, self.faults, self.parallel = config, rewards, faults, parallel
         self.pad_token_id, self.kv_cache = pad_token_id, kv_cache
         self.config_digest = config.digest()
+        self.audits = AuditSet(config, rewards.task, rewards.non_finite)  # never trained on
 
     def batch(
         self,
@@ -86,6 +88,9 @@ class Assembler:
         )
         if function_rewards:
             batch = replace(batch, function_rewards=function_rewards)
+        if failure is None and self.audits.due(step):
+            audits = self.audits.score(step, prompts, texts, cfg.group_size, first * cfg.group_size)
+            batch = replace(batch, audit_rewards=audits)
         if failure is not None:
             failure.batch = batch
             raise failure

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from grpod.engine.data.audit import AuditSet
 from grpod.engine.data.rewardcall import NonFinite
 from grpod.engine.data.rewards import RewardSet
 from grpod.engine.data.tasks import config_task
@@ -30,7 +31,8 @@ class EvalResult:
     step: int  # the engine cursor: the evaluated policy has taken `step` steps
     samples: int
     temperature: float  # 0 = greedy
-    rewards: dict[str, float]  # "total" (weighted, as trained on) and each function's mean
+    rewards: dict[str, float]  # "total" (weighted, as trained on), each function's mean and
+    # each audit reward's as "audit:NAME" (engine/data/audit.py: never trained on)
     completion_length_mean: float
     seconds: float
 
@@ -54,6 +56,7 @@ class Evaluator:
             cfg.reward_timeout_seconds,
             non_finite=NonFinite.PASS,
         )
+        self.audits = AuditSet(cfg, self.task, NonFinite.PASS)  # "audit:NAME" in `rewards`
         self.prompts = self.task.prompts_for_step(0, cfg.eval_samples, cfg.seed)
         self.prompt_ids = [
             encode_prompt(
@@ -79,6 +82,8 @@ class Evaluator:
         total, parts = self.rewards.score(self.prompts, texts, 1)
         rewards = {"total": float(total.double().mean())}
         rewards.update({name: sum(v) / len(v) for name, v in parts.items()})
+        audits = self.audits.rewards.score(self.prompts, texts, 1)[1] if self.audits.names else {}
+        rewards.update({f"audit:{name}": sum(v) / len(v) for name, v in audits.items()})
         return EvalResult(
             step=self.engine.step,
             samples=len(texts),

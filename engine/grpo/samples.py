@@ -19,7 +19,7 @@ def decode_samples(
     batch: TransportBatch, tokenizer: Any, stops: list[str], limit: int | None = None
 ) -> list[dict[str, Any]]:
     """The first `limit` samples (all when None): {sample, group, prompt, completion, reward,
-    rewards}; `completion` is the text the rewards saw (cut before a stop string)."""
+    rewards, audits}; `completion` is the text the rewards saw (cut before a stop string)."""
     rewards = batch.rewards.tolist()
     parts = batch.function_rewards
     groups = batch.sample_group_ids.tolist()
@@ -33,6 +33,7 @@ def decode_samples(
                 "completion": strip_stop_strings(tokenizer.decode(completion), stops),
                 "reward": rewards[i],
                 "rewards": {name: values[i] for name, values in parts.items()},
+                "audits": {name: values[i] for name, values in batch.audit_rewards.items()},
             }
         )
     return out

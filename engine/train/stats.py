@@ -14,6 +14,7 @@ import torch
 
 from grpod.engine.batch import TransportBatch
 from grpod.engine.data.advantages import group_advantages
+from grpod.engine.data.audit import completion_stats
 from grpod.engine.data.rewards import reward_stats
 from grpod.engine.report import ChunkTrace, KVCacheReport, StepReport
 
@@ -161,6 +162,8 @@ def _batch_stats(batch: TransportBatch) -> dict[str, Any]:
         "num_samples": batch.num_samples,
         "kv_cache": _kv_cache(batch),
         "reward_functions": reward_stats(batch.function_rewards),
+        "audit_rewards": reward_stats(batch.audit_rewards),
+        "completion_stats": completion_stats(batch) if batch.num_samples else {},
         "weight_version": batch.weight_version,
         "staleness": batch.staleness,
         "weight_sync_max_abs_logprob_diff": None

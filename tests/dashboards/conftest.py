@@ -28,6 +28,7 @@ FAULT_STEP = 3
 EVAL_EVERY = 2
 # copy's own reward (weight 1: the rewards are the task's) and a second one shown beside it
 REWARDS = ("grpod.engine.data.tasks:first_token_reward", "tests.guards.rewards:digit_first")
+AUDIT = "grpod.engine.data.tasks:exact_match_reward"  # scored, never trained on
 
 
 def daemon_section(max_steps: int) -> str:
@@ -52,6 +53,7 @@ group_size = 4
 threads = 1
 rewards = ["{REWARDS[0]}", "{REWARDS[1]}"]
 reward_weights = [1.0, 0.0]
+audit_rewards = ["{AUDIT}"]
 eval_task = "arith"
 eval_every = {EVAL_EVERY}
 eval_samples = 4

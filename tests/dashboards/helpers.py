@@ -81,6 +81,9 @@ CONTRACT: dict[str, str] = {
     "grpod_reward_function_std": "gauge",
     "grpod_eval_reward": "gauge",
     "grpod_eval_step": "gauge",
+    "grpod_audit_reward_mean": "gauge",
+    "grpod_completion_degeneration_ratio": "gauge",
+    "grpod_reward_hacking_rule_action": "gauge",
 }
 # Series Prometheus itself attaches to every target.
 SYNTHETIC = {"up"}

@@ -31,6 +31,7 @@ REQUIRED_ALERTS = {
     "GrpodIncidentOpen",
     "GrpodEntropyCollapse",
     "GrpodRetentionOverBudget",
+    "GrpodRewardHacking",
 }
 
 

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.dashboards.conftest import EVAL_EVERY, FAULT_STEP, MAX_STEPS, REWARDS, DaemonRun
+from tests.dashboards.conftest import AUDIT, EVAL_EVERY, FAULT_STEP, MAX_STEPS, REWARDS, DaemonRun
 from tests.dashboards.helpers import (
     CONTRACT,
     SYNTHETIC,
@@ -123,7 +123,9 @@ def test_reward_functions_and_eval_match_the_store(daemon_run: DaemonRun) -> Non
     assert [step for step, _ in evals] == list(range(EVAL_EVERY, MAX_STEPS + 1, EVAL_EVERY))
     last_step, last = evals[-1]
     assert _value(daemon_run.scrape, "grpod_eval_step") == last_step
-    assert set(last) == {"total", *REWARDS}
+    assert set(last) == {"total", *REWARDS, f"audit:{AUDIT}"}  # the audit, scored on the eval too
+    sample = f'grpod_audit_reward_mean{{reward="{AUDIT}"}}'
+    assert _value(daemon_run.scrape, sample) == report["audit_rewards"][AUDIT]["mean"]
     for name, value in last.items():
         assert _value(daemon_run.scrape, f'grpod_eval_reward{{reward="{name}"}}') == value
     assert last["total"] == last[REWARDS[0]]

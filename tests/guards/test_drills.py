@@ -86,3 +86,14 @@ def test_vtc_last_chunk_nonzero_with_reorder_repairs_mixed_and_skips_all_long() 
             repaired += 1
     assert repaired >= 1 and repaired == result["repaired"]
     assert result["skip_fast_total"] == result["outcomes"]["skipped"] >= len(long_steps)
+
+
+@pytest.mark.slow  # two 24-step runs of W1c's shape
+def test_reward_hacking_drill_warns_at_onset_and_not_on_the_honest_twin() -> None:
+    result = run_drill("reward-hacking", steps=24)
+    assert result["ok"] is True, {k: result[k] for k in ("onset_step", "first_warn_step")}
+    assert result["false_positives"] == 0 and result["honest_findings"] == []
+    assert 0 <= result["steps_to_warn"] <= result["onset_within"]
+    assert result["finding"]["kind"] == "divergence"
+    example = result["example"]
+    assert example["reward"] == 1.0 and list(example["audits"].values()) == [0.0]

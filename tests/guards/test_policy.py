@@ -41,6 +41,7 @@ def test_fixed_order_and_one_verdict() -> None:
         "dead_campaign",
         "reward_trend",
         "entropy",
+        "reward_hacking",
     ]
     verdict = judge(GuardPolicy(), valid_tokens=0, loss=math.nan, zero_std_group_fraction=1.0)
     assert verdict.action is Action.FLUSH
