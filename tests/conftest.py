@@ -14,6 +14,10 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+# and every process a test starts, unless the test says otherwise: the gate runs two tests at
+# once on two cores, and torch's OpenMP threads spin when there are more than cores (a 20 s
+# test took 320 s with two threads beside another worker)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 LAUNCHERS = {"torchrun", "accelerate"}
 LAUNCHER_MODULES = {"torch.distributed.run", "torch.distributed.launch"}

@@ -42,8 +42,13 @@ def test_the_example_campaign_steps_records_and_replays(tmp_path: Path, model_di
     # the example's completions (24 tokens: the base model reaches an answer ~30% of the time)
     # in 4 groups: with fewer or shorter ones every group is likely to score all 0, and the
     # `advantage` guard rightly says the step has no learning signal
-    config["engine"].update(
-        model=str(model_dir), prompts_per_step=4, group_size=4, micro_batch_rows=8, eval_every=0
+    config["engine"].update(  # one thread, as every test (tests/conftest.py)
+        model=str(model_dir),
+        prompts_per_step=4,
+        group_size=4,
+        micro_batch_rows=8,
+        eval_every=0,
+        threads=1,
     )
     config["daemon"].update(
         max_steps=STEPS, checkpoint_every=100, log_samples=0, metrics_port=free_port()
