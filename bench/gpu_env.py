@@ -22,7 +22,7 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPORT_NAMES = {"prometheus-client": "prometheus_client", "pyyaml": "yaml"}
-NOT_NEEDED = {"ruff", "tomli", "pytest-xdist"}  # lint; 3.11 has tomllib; the fast tier's workers
+NOT_NEEDED = {"ruff", "import-linter", "tomli", "pytest-xdist"}  # lint; 3.11 has tomllib; xdist
 
 
 def pip_install(python: str) -> list[str]:
