@@ -40,6 +40,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="R",
         help="a distributed step: replay rank R's part alone (one process)",
     )
+    replay.add_argument(
+        "--by-sample",
+        action="store_true",
+        help="attribute the step to its samples: per-sample gradient, share, loss, mismatch",
+    )
     replay.set_defaults(handler=_replay)
 
     incidents = sub.add_parser("incidents", help="incidents of a run")
@@ -96,6 +101,12 @@ def _replay(args: argparse.Namespace) -> int:
         raise ForensicsError("give an INCIDENT_ID or --step N (exactly one)")
     run = _run_dir(args)
     run.check_inputs()  # a moved or changed model or task is named
+    if args.by_sample:
+        from grpod.daemon.commands.attribution import by_sample
+
+        if args.rank is not None or args.trace or run.trainer() == "trl":
+            raise ForensicsError("replay --by-sample: a grpod step, without --rank or --trace")
+        return by_sample(args)
     progress = _ProgressBar() if sys.stderr.isatty() else None
     if run.trainer() == "trl":  # recorded by grpod.integrations.trl: through TRL's own loss
         from grpod.integrations.trl_replay import replay as replay_trl
