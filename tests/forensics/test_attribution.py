@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 
 from grpod.engine.faults import POISON_LOGPROB_SHIFT
-from grpod.forensics import ForensicsError
+
+# `replay` first: the lazy export binds the package's name to the function before the
+# submodule grpod.forensics.replay is imported (which would bind it to the module)
+from grpod.forensics import ForensicsError, replay  # noqa: F401
 from grpod.forensics.attribution import STANDS_OUT, attribute, only_sample
 from grpod.forensics.replay import replay_plan
 from grpod.forensics.store import Store
