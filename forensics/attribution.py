@@ -104,7 +104,7 @@ def attribute(
     try:
         for item in plan[:-1]:
             contexts.before(item.context)
-            rerun_step(engine, item, False, None, alone=False)
+            rerun_step(engine, item, compute_skipped=False, part=None, alone=False)
         contexts.before(target.context)
         batch = as_run(target.batch, target.report.micro_order)
         result = _attribute(engine, batch, target.report)

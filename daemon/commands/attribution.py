@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpod.daemon.exitcodes import EXIT_OK
+
+if TYPE_CHECKING:
+    from grpod.forensics.attribution import StepAttribution
 
 SHOWN = 3  # top rows whose prompt and completion are printed
 
@@ -41,6 +44,12 @@ def by_sample(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict()))
         return EXIT_OK
+    print_attribution(result)
+    return EXIT_OK
+
+
+def print_attribution(result: StepAttribution, rows: int | None = None) -> None:
+    """The text form of `result`; `rows`: only the first that many sample rows."""
     faults = ", ".join(result.injected_faults) or "none"
     print(
         f"step {result.step}: {len(result.samples)} samples attributed in "
@@ -61,7 +70,7 @@ def by_sample(args: argparse.Namespace) -> int:
     if result.note:
         print(f"  note: {result.note}")
     print("  " + " ".join(f"{title:>{width}}" for _, title, width, _ in COLUMNS))
-    for row in result.samples:
+    for row in result.samples[:rows]:
         print("  " + " ".join(_cell(row[key], width, spec) for key, _, width, spec in COLUMNS))
     for rank, row in enumerate(result.samples[:SHOWN], 1):
         print(
@@ -69,7 +78,6 @@ def by_sample(args: argparse.Namespace) -> int:
             f"prompt {row['prompt']!r} completion {row['completion']!r}"
         )
     print(f"  prompt ids: {result.prompt_id_is}")
-    return EXIT_OK
 
 
 def _cell(value: Any, width: int, spec: str) -> str:

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from grpod.daemon.cli import main
 from grpod.engine.faults import POISON_LOGPROB_SHIFT
 
 # `replay` first: the lazy export binds the package's name to the function before the
 # submodule grpod.forensics.replay is imported (which would bind it to the module)
-from grpod.forensics import ForensicsError, replay  # noqa: F401
+from grpod.forensics import ForensicsError, export_incident, list_incidents, replay  # noqa: F401
 from grpod.forensics.attribution import STANDS_OUT, attribute, only_sample
 from grpod.forensics.replay import replay_plan
 from grpod.forensics.store import Store
@@ -160,3 +161,24 @@ def test_cli_by_sample_json_and_bad_input(poisoned: tuple, tmp_path: Path) -> No
     shutil.rmtree(copy / "checkpoints")
     with pytest.raises(ForensicsError, match="checkpoint"):
         attribute(copy, step=STEP)
+
+
+def test_an_incident_carries_its_attribution(
+    poisoned: tuple, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    kind, campaign = poisoned
+    if kind != "nan-logits":
+        pytest.skip("the flushed step of one drill is enough")
+    (incident,) = list_incidents(campaign.run_dir)
+    assert incident["step"] == STEP
+    out = export_incident(campaign.run_dir, incident["id"], tmp_path / "export", by_sample=True)
+    exported = json.loads((out / "attribution.json").read_text())
+    assert exported["step"] == STEP and exported["samples"][0]["index"] == INDEX
+    assert exported["nonfinite"]["module"] == f"model.layers.{LAYER}.mlp.down_proj"
+    args = ["incidents", "show", str(incident["id"]), "--run-dir", str(campaign.run_dir)]
+    assert main([*args, "--by-sample", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["attribution"]["samples"][0]["index"] == INDEX
+    assert main([*args, "--by-sample"]) == 0
+    text = capsys.readouterr().out
+    assert f"non-finite: born at model.layers.{LAYER}.mlp.down_proj output, sample {INDEX}" in text
