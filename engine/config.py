@@ -55,6 +55,23 @@ class FaultsConfig(BaseModel):
         "its bound allows (a sampler that ran ahead): it arrives too old and must be dropped "
         "(under torchrun on every rank, whatever `ranks` says: launches are collective)",
     )
+    # one sample of a step poisoned: what `grpod replay --by-sample` must rank first
+    poison_sample_steps: list[int] = Field(
+        default_factory=list,
+        description="one sample of the step is poisoned (poison_sample_index, _kind)",
+    )
+    poison_sample_index: int = Field(
+        0, ge=0, description="the poisoned sample's position in the step's batch (its sample id)"
+    )
+    poison_sample_kind: Literal["nan-logits", "logprob-shift", "loss-scale"] = Field(
+        "nan-logits",
+        description="nan-logits: its completion's hidden states NaN from poison_sample_layer's "
+        "MLP output on; logprob-shift: its sampler logprobs 4 nats lower; loss-scale: its "
+        "per-token loss x100",
+    )
+    poison_sample_layer: int = Field(
+        1, ge=0, description="nan-logits: the decoder layer whose mlp.down_proj output is NaN"
+    )
     ranks: list[int] = Field(
         default_factory=list,
         description="under torchrun: the ranks the faults fire on; empty = every rank",
@@ -70,6 +87,7 @@ class FaultsConfig(BaseModel):
                 self.equal_reward_steps,
                 self.loss_spike_steps,
                 self.stale_rollout_steps,
+                self.poison_sample_steps,
                 *self.weight_sync_steps,
             )
         )

@@ -8,15 +8,21 @@ input untouched, so the trainer's step has no fault branches. `grpod drill` turn
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from grpod.base.collectives import local
+from grpod.engine.batch import TransportBatch
 from grpod.engine.config import FaultsConfig
+from grpod.engine.errors import EngineError
 from grpod.engine.weight_sync import PushFaults
 
 SENTINEL_LOGPROB = -9999.0  # what some backends write for a missing sampler logprob
 LOSS_SPIKE_SCALE = 1000.0
+POISON_LOGPROB_SHIFT = -4.0  # nats: logprob-shift's sampler logprobs (e^4 ~ 55x too unlikely)
+POISON_LOSS_SCALE = 100.0  # loss-scale: the poisoned sample's per-token loss
 
 
 class Faults:
@@ -42,6 +48,7 @@ class Faults:
             "sync-stale-cache": config.weight_sync_stale_cache_steps,
             "sync-corrupt": config.weight_sync_corrupt_steps,
             "stale-rollout": config.stale_rollout_steps,
+            "poison-sample": config.poison_sample_steps,
         }
         self._steps = {name: frozenset(s if self.active else ()) for name, s in steps.items()}
         # launches are collective under torchrun (a node's server): every rank's, or none
@@ -70,11 +77,65 @@ class Faults:
 
     def sampler_logprobs(self, step: int, logprobs: list[list[float]]) -> list[list[float]]:
         """Per-sample completion logprobs; sentinel-logprob: the first token of the first
-        non-empty completion reads SENTINEL_LOGPROB (in place)."""
+        non-empty completion reads SENTINEL_LOGPROB (in place); poison-sample logprob-shift:
+        the poisoned sample's all shifted by POISON_LOGPROB_SHIFT (in place)."""
         if step in self._steps["sentinel-logprob"]:
             first = next(row for row in logprobs if row)
             first[0] = SENTINEL_LOGPROB
+        index = self.config.poison_sample_index
+        if self._poisons(step, "logprob-shift") and index < len(logprobs):
+            logprobs[index][:] = [v + POISON_LOGPROB_SHIFT for v in logprobs[index]]
         return logprobs
+
+    def token_loss(
+        self, batch: TransportBatch, micro: int, index: torch.Tensor, loss: torch.Tensor
+    ) -> torch.Tensor:
+        """A chunk's per-token loss `[len(index)]` at the micro's flat positions `index`;
+        poison-sample loss-scale: the poisoned sample's tokens scaled by POISON_LOSS_SCALE."""
+        if not self._poisons(batch.step, "loss-scale"):
+            return loss
+        owner = batch.sample_ids[micro].reshape(-1)[index].to(loss.device)
+        return torch.where(owner == self.config.poison_sample_index, loss * POISON_LOSS_SCALE, loss)
+
+    @contextmanager
+    def trunk(
+        self,
+        model: torch.nn.Module,
+        batch: TransportBatch,
+        micros: list[int],
+        source: torch.Tensor,
+        shape: tuple[int, int],
+    ) -> Iterator[None]:
+        """Around one trunk pass over `micros` (laid out `shape = (rows', width)`, micro
+        position p's state at flat row `source[p]`); poison-sample nan-logits: the poisoned
+        sample's completion states are NaN from layer `poison_sample_layer`'s MLP output on
+        (a forward hook on that `mlp.down_proj`, its rows and tokens only)."""
+        if not self._poisons(batch.step, "nan-logits"):
+            yield
+            return
+        span = slice(micros[0], micros[-1] + 1)
+        mine = (batch.sample_ids[span].reshape(-1) == self.config.poison_sample_index) & (
+            batch.loss_mask[span].reshape(-1)
+        )
+        rows = torch.zeros(shape[0] * shape[1] + 1, dtype=torch.bool)
+        rows[source[mine.to(source.device)].cpu()] = True  # the last row: positions not run
+        poisoned = rows[:-1].reshape(*shape, 1)
+
+        def nan_states(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            where = poisoned.to(out.device)
+            return torch.where(where, torch.full_like(out, float("nan")), out)
+
+        hook = poison_module(model, self.config.poison_sample_layer).register_forward_hook(
+            nan_states,
+            prepend=True,  # the module's own output: observers see it poisoned
+        )
+        try:
+            yield
+        finally:
+            hook.remove()
+
+    def _poisons(self, step: int, kind: str) -> bool:
+        return step in self._steps["poison-sample"] and self.config.poison_sample_kind == kind
 
     def micro_loss(self, step: int, micro: int, loss: torch.Tensor) -> torch.Tensor:
         """A micro's loss sum; nan-loss: micro 0's is NaN, which poisons its gradients."""
@@ -103,3 +164,12 @@ class Faults:
         """The step's scaled gradients; inf-grad: one element of the first is inf (in place)."""
         if step in self._steps["inf-grad"]:
             local(grads[0]).view(-1)[0] = float("inf")  # a sharded gradient: this rank's shard
+
+
+def poison_module(model: torch.nn.Module, layer: int) -> torch.nn.Module:
+    """Decoder layer `layer`'s `mlp.down_proj` (its MLP's output, added to the residual)."""
+    suffix = f"layers.{layer}.mlp.down_proj"
+    for name, module in model.named_modules():
+        if name == suffix or name.endswith("." + suffix):
+            return module
+    raise EngineError(f"[engine.faults] poison_sample_layer {layer}: the model has no {suffix}")

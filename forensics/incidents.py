@@ -63,10 +63,12 @@ def export_incident(
     out_dir: str | os.PathLike,
     store_url: str = "",
     decode: Callable[[TransportBatch, dict[str, Any]], list[dict[str, Any]]] | None = None,
+    by_sample: bool = False,
 ) -> Path:
     """Write `out_dir/batch.safetensors` and `out_dir/incident.json` (report, findings, config),
-    and with `decode(batch, run config)` `out_dir/samples.jsonl` (each sample's decoded prompt
-    and completion, one JSON object a line).
+    with `decode(batch, run config)` `out_dir/samples.jsonl` (each sample's decoded prompt
+    and completion, one JSON object a line), and with `by_sample` `out_dir/attribution.json`
+    (the step attributed to its samples, as `grpod replay --by-sample --json` prints it).
 
     `out_dir` must not exist yet; it appears complete or not at all.
     """
@@ -74,7 +76,14 @@ def export_incident(
     if out.exists():
         raise ForensicsError(f"export {out}: already exists; choose a new directory")
     detail, config, batch = incident_batch(run_dir, incident_id, store_url)
+    attribution = None
+    if by_sample:
+        from grpod.forensics.attribution import attribute
+
+        attribution = attribute(run_dir, incident_id=incident_id, store_url=store_url).to_dict()
     with atomic_dir(out) as tmp:
+        if attribution is not None:
+            (tmp / "attribution.json").write_text(json.dumps(attribution, indent=2) + "\n")
         batch.save(tmp / "batch.safetensors")
         (tmp / "incident.json").write_text(
             json.dumps({**detail, "config": config}, indent=2) + "\n"

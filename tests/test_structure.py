@@ -269,16 +269,16 @@ def test_the_private_walk_sees_both_forms() -> None:
     modules = project_modules()
     tree = ast.parse(
         "import grpod.engine.batch as b\n"
-        "from grpod.forensics.replay import _x\n"
+        "from grpod.forensics.step_replay import _x\n"
         "from grpod.engine import report\n"
         "b._y, report._z, b.__name__\n"
     )
     assert crossings_in(tree, "f", "grpod.guards", modules) == [
-        "f: grpod.forensics.replay._x",
+        "f: grpod.forensics.step_replay._x",
         "f: grpod.engine.batch._y",
         "f: grpod.engine.report._z",
     ]
-    assert crossings_in(tree, "f", "grpod.engine", modules) == ["f: grpod.forensics.replay._x"]
+    assert crossings_in(tree, "f", "grpod.engine", modules) == ["f: grpod.forensics.step_replay._x"]
 
 
 def test_no_daemon_file_is_over_400_lines() -> None:

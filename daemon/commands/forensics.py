@@ -18,6 +18,8 @@ from grpod.daemon.exitcodes import EXIT_FAILURE, EXIT_OK
 if TYPE_CHECKING:
     from grpod.daemon.rundir import RunDir
 
+SHOWN_ROWS = 8  # `incidents show --by-sample`: the top sample rows (replay --by-sample: all)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
@@ -40,6 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="R",
         help="a distributed step: replay rank R's part alone (one process)",
     )
+    replay.add_argument(
+        "--by-sample",
+        action="store_true",
+        help="attribute the step to its samples: per-sample gradient, share, loss, mismatch",
+    )
     replay.set_defaults(handler=_replay)
 
     incidents = sub.add_parser("incidents", help="incidents of a run")
@@ -56,10 +63,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="decoded completions to print (default: the run's [daemon] log_samples)",
     )
+    show.add_argument("--by-sample", action="store_true", help="attribute its step to its samples")
     show.set_defaults(handler=_incidents_show)
     export = inc_sub.add_parser("export", parents=[common], help="batch + JSON to a new dir")
     export.add_argument("id", type=int, metavar="ID")
     export.add_argument("out_dir", metavar="DIR")
+    export.add_argument(
+        "--by-sample", action="store_true", help="also attribution.json (replay --by-sample)"
+    )
     export.set_defaults(handler=_incidents_export)
 
     fsck = sub.add_parser(
@@ -89,13 +100,19 @@ def _db_upgrade(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     from grpod.daemon import distributed
-    from grpod.forensics import ForensicsError
-    from grpod.forensics.replay import replay  # the function, never the same-named module
+    from grpod.forensics import ForensicsError, replay
 
     if (args.incident is None) == (args.step is None):
         raise ForensicsError("give an INCIDENT_ID or --step N (exactly one)")
     run = _run_dir(args)
     run.check_inputs()  # a moved or changed model or task is named
+    if args.by_sample:
+        from grpod.daemon.commands.attribution import by_sample
+
+        if args.rank is not None or args.trace:
+            raise ForensicsError("replay --by-sample: not with --rank or --trace")
+        _attributable(args, run)
+        return by_sample(args)
     progress = _ProgressBar() if sys.stderr.isatty() else None
     if run.trainer() == "trl":  # recorded by grpod.integrations.trl: through TRL's own loss
         from grpod.integrations.trl_replay import replay as replay_trl
@@ -186,15 +203,22 @@ def _incidents_show(args: argparse.Namespace) -> int:
     from grpod.forensics.incidents import incident_batch
     from grpod.guards.trend import evidence_lines
 
-    _run_dir(args)
+    _attributable(args, _run_dir(args))
     detail, config, batch = incident_batch(args.run_dir, args.id, args.store_url)
     count = args.samples
     if count is None:
         count = int(config.get("daemon", {}).get("log_samples", 0))
     samples, note = _decoded(config, batch, count) if count > 0 else ([], "")
     examples = _examples(config, batch, detail["findings"])
+    attribution = None
+    if args.by_sample:
+        from grpod.forensics.attribution import attribute
+
+        attribution = attribute(args.run_dir, incident_id=args.id, store_url=args.store_url)
     if args.json:
         detail = {**detail, "samples": samples, "examples": examples}
+        if attribution is not None:
+            detail["attribution"] = attribution.to_dict()
         print(json.dumps(detail))
         return 0
     print(
@@ -236,6 +260,10 @@ def _incidents_show(args: argparse.Namespace) -> int:
         print(f"    completion: {sample['completion']!r}")
     if note:
         print(f"  note: {note}")
+    if attribution is not None:
+        from grpod.daemon.commands.attribution import print_attribution
+
+        print_attribution(attribution, rows=SHOWN_ROWS)
     return 0
 
 
@@ -272,7 +300,7 @@ def _decoded(config: dict[str, Any], batch: Any, limit: int | None) -> tuple[lis
 def _incidents_export(args: argparse.Namespace) -> int:
     from grpod.forensics import export_incident
 
-    _run_dir(args)
+    _attributable(args, _run_dir(args))
     notes: list[str] = []
 
     def decode(batch: Any, config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -280,7 +308,14 @@ def _incidents_export(args: argparse.Namespace) -> int:
         notes.append(note)
         return samples
 
-    out = export_incident(args.run_dir, args.id, args.out_dir, args.store_url, decode=decode)
+    out = export_incident(
+        args.run_dir,
+        args.id,
+        args.out_dir,
+        args.store_url,
+        decode=decode,
+        by_sample=args.by_sample,
+    )
     print(f"incident {args.id}: exported to {out}")
     for note in filter(None, notes):
         print(f"note: {note}")
@@ -331,6 +366,14 @@ def _gc(args: argparse.Namespace) -> int:
     if not out["within_budget"]:
         print("gc: still over budget: the rest is pinned by incidents or the newest checkpoint")
     return 0
+
+
+def _attributable(args: argparse.Namespace, run: RunDir) -> None:
+    """`--by-sample` re-runs grpod's own engine: a TRL run's steps are refused (one line)."""
+    if args.by_sample and run.trainer() == "trl":
+        from grpod.forensics import ForensicsError
+
+        raise ForensicsError("--by-sample: a step of a TRL run is replayed through TRL only")
 
 
 def _run_dir(args: argparse.Namespace) -> RunDir:

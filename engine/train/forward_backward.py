@@ -82,7 +82,9 @@ class ForwardBackward:
         stats: StepStats,
     ) -> None:
         """One trunk forward over `micros`, their chunked losses, one backward."""
-        hidden, source = run_trunk(self.train_trunk, layout, self.config.dtype, self.device)
+        shape = tuple(layout.input_ids.shape)
+        with self.faults.trunk(self.model, batch, micros, layout.source, shape):
+            hidden, source = run_trunk(self.train_trunk, layout, self.config.dtype, self.device)
         per_micro = source.numel() // len(micros)
         pass_loss = hidden.new_zeros((), dtype=torch.float32)
         for k, micro in enumerate(micros):
@@ -148,7 +150,7 @@ class ForwardBackward:
                 sampler_logprobs=sampler,
                 ref_logprobs=None if reference is None else self._gather(reference, micro, index),
             )
-            chunk_loss = token_loss.loss.sum()
+            chunk_loss = self.faults.token_loss(batch, micro, index, token_loss.loss).sum()
             micro_loss = micro_loss + chunk_loss
             stats.add_chunk(micro, c, chunk_tokens, chunk_loss, self.counter, token_loss)
             stats.add_logprobs(old, sampler if first_epoch else None, entropy)

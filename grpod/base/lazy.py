@@ -11,11 +11,22 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from importlib import import_module
+from pathlib import Path
 from typing import Any
 
 
 def lazy_exports(package: str, where: dict[str, str]) -> Callable[[str], Any]:
-    """A module `__getattr__` for `package` that imports `name` from module `where[name]`."""
+    """A module `__getattr__` for `package` that imports `name` from module `where[name]`.
+
+    An exported name may not also be a submodule's: importing `package.name` binds the
+    package's attribute to the module, and the export would then read as the module or the
+    function by import order (`grpod.forensics.replay` once did: the module is step_replay)."""
+    spec = sys.modules[package].__spec__
+    for name in where:
+        if spec is not None and spec.submodule_search_locations is not None:
+            for folder in spec.submodule_search_locations:
+                if any((Path(folder) / f"{name}{suffix}").exists() for suffix in ("", ".py")):
+                    raise ImportError(f"{package}: export {name!r} is also a submodule's name")
 
     def __getattr__(name: str) -> Any:
         if name not in where:

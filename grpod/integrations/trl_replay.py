@@ -30,7 +30,7 @@ import torch
 from grpod.base.jsonsafe import to_json
 from grpod.engine.verdict import Action, Outcome
 from grpod.forensics.errors import ForensicsError
-from grpod.forensics.replay import ReplayResult, bit_equal, replay_plan
+from grpod.forensics.step_replay import ReplayResult, bit_equal, replay_plan
 from grpod.forensics.store import Store
 from grpod.integrations.trl_batch import micro_inputs
 

@@ -8,8 +8,16 @@ import warnings
 import pytest
 import torch
 
+from grpod.engine.batch import TransportBatch
 from grpod.engine.config import FaultsConfig
-from grpod.engine.faults import LOSS_SPIKE_SCALE, SENTINEL_LOGPROB, Faults
+from grpod.engine.errors import EngineError
+from grpod.engine.faults import (
+    LOSS_SPIKE_SCALE,
+    POISON_LOGPROB_SHIFT,
+    POISON_LOSS_SCALE,
+    SENTINEL_LOGPROB,
+    Faults,
+)
 
 
 def hooks(**config: object) -> Faults:
@@ -70,3 +78,58 @@ def test_faults_fire_only_on_the_ranks_they_name() -> None:
     assert not rank0.per_micro_accounting
     assert math.isnan(float(rank1.micro_loss(1, 0, loss))) and rank1.injected(1) == ("nan-loss",)
     assert rank1.per_micro_accounting
+
+
+def _batch(step: int) -> TransportBatch:
+    """One micro, one row: sample 0 at positions 0-3 (trained 2-3), sample 1 at 4-7 (6-7)."""
+    shape = (1, 1, 8)
+    return TransportBatch(
+        input_ids=torch.arange(8).reshape(shape),
+        position_ids=torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]).reshape(shape),
+        loss_mask=torch.tensor([0, 0, 1, 1, 0, 0, 1, 1], dtype=torch.bool).reshape(shape),
+        advantages=torch.ones(shape),
+        sampler_logprobs=None,
+        sample_ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.int32).reshape(shape),
+        group_ids=torch.zeros(shape, dtype=torch.int32),
+        rewards=torch.tensor([1.0, 0.0]),
+        sample_group_ids=torch.zeros(2, dtype=torch.int32),
+        completion_lengths=torch.tensor([2, 2], dtype=torch.int32),
+        step=step,
+        config_digest="test",
+    )
+
+
+def test_poison_sample_hits_one_sample_of_its_steps_only() -> None:
+    poison = dict(poison_sample_steps=[1], poison_sample_index=1)
+    shift = hooks(**poison, poison_sample_kind="logprob-shift")
+    assert shift.sampler_logprobs(0, [[-1.0], [-1.0]]) == [[-1.0], [-1.0]]
+    assert shift.sampler_logprobs(1, [[-1.0], [-1.0]]) == [[-1.0], [-1.0 + POISON_LOGPROB_SHIFT]]
+    assert shift.injected(1) == ("poison-sample",)
+    scale = hooks(**poison, poison_sample_kind="loss-scale")
+    loss, index = torch.ones(4), torch.tensor([2, 3, 6, 7])
+    assert scale.token_loss(_batch(0), 0, index, loss) is loss
+    assert scale.token_loss(_batch(1), 0, index, loss).tolist() == [1, 1, 100, 100]
+    assert POISON_LOSS_SCALE == 100
+
+
+def test_nan_logits_poisons_the_sample_states_from_its_layer() -> None:
+    block = torch.nn.Module()
+    block.mlp = torch.nn.Module()
+    block.mlp.down_proj = torch.nn.Identity()
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module(), block])
+    faults = hooks(poison_sample_steps=[1], poison_sample_index=1, poison_sample_layer=1)
+    source = torch.arange(8)  # a plain layout: position p is trunk row p of [1, 8]
+    states = torch.zeros(1, 8, 3)
+    with faults.trunk(model, _batch(0), [0], source, (1, 8)):
+        assert torch.isfinite(block.mlp.down_proj(states)).all()
+    with faults.trunk(model, _batch(1), [0], source, (1, 8)):
+        out = block.mlp.down_proj(states)
+    assert (~torch.isfinite(out)).any(-1)[0].tolist() == [False] * 6 + [True] * 2
+    assert torch.isfinite(block.mlp.down_proj(states)).all()  # the hook is gone
+    wrong = hooks(poison_sample_steps=[1], poison_sample_layer=5)
+    with (
+        pytest.raises(EngineError, match="poison_sample_layer 5"),
+        wrong.trunk(model, _batch(1), [0], source, (1, 8)),
+    ):
+        pass

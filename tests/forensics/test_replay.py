@@ -17,7 +17,7 @@ from sqlalchemy import select, update
 from grpod.engine import TransportBatch
 from grpod.forensics import BlobStore, ForensicsError, Store, list_incidents, replay
 from grpod.forensics.models import Blob, Step
-from grpod.forensics.replay import as_run, bit_equal
+from grpod.forensics.step_replay import as_run, bit_equal
 from tests.forensics.campaign import Campaign, run_campaign
 from tests.forensics.conftest import FAULT_STEP, damage_blob
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from grpod.forensics import list_incidents, replay
-from grpod.forensics.replay import bit_equal
+from grpod.forensics.step_replay import bit_equal
 from tests.forensics.campaign import run_campaign
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out

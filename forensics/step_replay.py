@@ -119,7 +119,7 @@ def replay(
         config, versions, checkpoint, plan = replay_plan(store, step, incident_id)
         recorded_rank = None if rank is None else _rank_of(plan[-1], rank)
         process = ExecutionContext.capture()  # set again when the replay ends
-        engine = _restore(store, config, checkpoint)
+        engine = restore_engine(store, config, checkpoint)
     finally:
         store.close()
     part = engine.parallel.rank if engine.parallel.world_size > 1 else None
@@ -142,7 +142,7 @@ def replay(
                 )
             context_differs = contexts.before(item.context)
             alone = mine is not None and part is None
-            replayed = _rerun(engine, item, is_target, mine, alone=alone)
+            replayed = rerun_step(engine, item, is_target, mine, alone=alone)
             compared = is_target or rank is None  # --rank: the steps before only get there
             if compared and item.row.outcome != Outcome.SKIPPED and diverged_at is None:
                 own = recorded_rank if is_target else None
@@ -306,7 +306,7 @@ def _note(target: PlannedStep, versions: dict[str, str], rank: int | None, steps
     return "; ".join(notes)
 
 
-def _restore(store: Store, config: dict[str, Any], checkpoint: Checkpoint) -> Engine:
+def restore_engine(store: Store, config: dict[str, Any], checkpoint: Checkpoint) -> Engine:
     try:
         engine_config = EngineConfig.model_validate(config["engine"])
     except (KeyError, TypeError, ValidationError) as exc:
@@ -328,7 +328,7 @@ def _restore(store: Store, config: dict[str, Any], checkpoint: Checkpoint) -> En
     return engine
 
 
-def _rerun(
+def rerun_step(
     engine: Engine, item: PlannedStep, compute_skipped: bool, part: int | None, alone: bool
 ) -> StepReport | None:
     """Run one recorded step as it was decided; a skipped step computes nothing (None) unless
