@@ -130,10 +130,9 @@ def test_only_sample_trains_that_sample_alone(healthy: Campaign) -> None:
     assert alone.num_micros == batch.num_micros and alone.step == batch.step
 
 
+@pytest.mark.parametrize("poisoned", ["nan-logits"], indirect=True)  # one CLI run is enough
 def test_cli_by_sample_json_and_bad_input(poisoned: tuple, tmp_path: Path) -> None:
-    kind, campaign = poisoned
-    if kind != "nan-logits":
-        pytest.skip("one CLI run is enough")
+    _, campaign = poisoned
     run_dir = str(campaign.run_dir)
     out = subprocess.run(
         [GRPOD, "replay", "--step", str(STEP), "--by-sample", "--json", "--run-dir", run_dir],
@@ -160,12 +159,11 @@ def test_cli_by_sample_json_and_bad_input(poisoned: tuple, tmp_path: Path) -> No
         attribute(copy, step=STEP)
 
 
+@pytest.mark.parametrize("poisoned", ["nan-logits"], indirect=True)  # its flushed step
 def test_an_incident_carries_its_attribution(
     poisoned: tuple, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    kind, campaign = poisoned
-    if kind != "nan-logits":
-        pytest.skip("the flushed step of one drill is enough")
+    _, campaign = poisoned
     (incident,) = list_incidents(campaign.run_dir)
     assert incident["step"] == STEP
     out = export_incident(campaign.run_dir, incident["id"], tmp_path / "export", by_sample=True)
