@@ -434,6 +434,7 @@ def run_interleaved(
     stop: Callable[[dict], bool] | None = None,
     seed: int = 0,
     idle_gap: float = 0.0,
+    progress_every: int = 25,
 ) -> dict[str, dict]:
     """Run up to `steps` steps of grpod and TRL in lock step; returns per-side traces.
 
@@ -456,6 +457,7 @@ def run_interleaved(
         steps,
         stop,
         idle_gap,
+        progress_every,
     )
 
 
@@ -464,6 +466,7 @@ def run_lockstep(
     steps: int,
     stop: Callable[[dict], bool] | None = None,
     idle_gap: float = 0.0,
+    progress_every: int = 25,
 ) -> dict[str, dict]:
     """Two workers `{name: (target, args, extra environment)}` stepped alternately, with
     `idle_gap` seconds of sleep before each step (not counted: each worker times itself)."""
@@ -514,7 +517,7 @@ def run_lockstep(
             t["reward"].append(reward)
             t["tokens"].append(tokens)
             t["phases"].append(phases)
-        if (k + 1) % 25 == 0:  # progress on stderr; stdout carries only the JSON line
+        if (k + 1) % progress_every == 0:  # progress on stderr; stdout carries only the JSON line
             print(
                 f"step {k + 1}: "
                 + ", ".join(

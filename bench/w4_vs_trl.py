@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 from common import (
     GRPOD_MATCHES_TRL,
@@ -52,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="seconds of idle machine before every step (default 0: back to back)",
     )
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=0.0,
+        help="stop before a step pair would end past this many minutes (0: run every step)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 3:
         parser.error("--steps must be at least 3 (the median skips the first 2)")
@@ -84,14 +91,26 @@ def main() -> None:
         raise SystemExit(
             f"{args.config}: threads {engine.threads}, the bench runs TRL at {THREADS}"
         )
-    trace = run_interleaved(args.config, args.steps, idle_gap=args.idle_gap)
+    started = time.monotonic()
+
+    def out_of_time(trace: dict) -> bool:  # the next pair would take as long as the last
+        last_pair = trace["grpod"]["seconds"][-1] + trace["trl"]["seconds"][-1]
+        spent = time.monotonic() - started
+        enough = len(trace["grpod"]["seconds"]) >= 3  # the median skips the first 2
+        return bool(args.max_minutes) and enough and spent + last_pair > 60 * args.max_minutes
+
+    trace = run_interleaved(
+        args.config, args.steps, stop=out_of_time, idle_gap=args.idle_gap, progress_every=1
+    )
+    steps = len(trace["grpod"]["seconds"])
     OUT_DIR.mkdir(parents=True, exist_ok=True)  # the raw trace too: a W4 run is long
     (OUT_DIR / "w4_trace.json").write_text(json.dumps(trace))
     emit(
         {
             "workload": "W4",
             "config": args.config,
-            "steps": args.steps,
+            "steps": steps,
+            "steps_asked": args.steps,
             "idle_gap_s": args.idle_gap,
             **compare(trace, completions=engine.prompts_per_step * engine.group_size),
             "reward_per_step": {

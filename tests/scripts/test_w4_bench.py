@@ -38,5 +38,6 @@ def test_trl_gets_the_campaign_settings() -> None:
 def test_arguments() -> None:
     args = w4_vs_trl.parse_args([])
     assert args.steps == 12 and args.config == str(w4_vs_trl.CONFIG) and args.idle_gap == 0.0
+    assert args.max_minutes == 0.0
     with pytest.raises(SystemExit):
         w4_vs_trl.parse_args(["--steps", "2"])
