@@ -1,7 +1,7 @@
 """W4 `real-lm`: grpod's engine against TRL's GRPOTrainer on SmolLM2-135M-Instruct, interleaved.
 
     make model-smollm2                                   # once: the FP32 model directory
-    .venv/bin/python bench/w4_vs_trl.py [--steps 12] [--config examples/smollm2-arith/grpod.toml]
+    .venv/bin/python bench/w4_vs_trl.py [--steps 12] [--max-minutes M] [--config FILE]
 
 grpod's engine runs the campaign's `[engine]` as `grpod run` loads it (model, task and reward
 modules from the config's directory; no daemon, guards or eval around it); TRL's GRPOTrainer
