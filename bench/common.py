@@ -149,10 +149,25 @@ W2_SETTINGS = {
 
 
 def engine_config(task: str, **overrides: Any):
-    """grpod's W1 settings (the EngineConfig defaults are W1), 2 threads."""
+    """grpod's W1 settings (the EngineConfig defaults are W1), 2 threads; or, for a
+    grpod.toml `task`, its `[engine]` as `grpod run` loads it (`toml_engine_config`)."""
     from grpod.engine import EngineConfig
 
+    if task.endswith(".toml"):
+        base = toml_engine_config(task).model_dump()
+        return EngineConfig.model_validate({**base, **overrides})
     return EngineConfig.model_validate({"task": task, "threads": THREADS, "lr": LR, **overrides})
+
+
+def toml_engine_config(path: str | os.PathLike):
+    """A campaign's `[engine]` (W4: examples/smollm2-arith/grpod.toml) as `grpod run` loads it
+    from the config's directory: model, task and eval task made absolute, `reward_path` the
+    directory (its reward modules import from there)."""
+    from grpod.daemon.config import load_config
+    from grpod.engine.data.inputs import absolute
+
+    path = Path(path).resolve()
+    return absolute(load_config(path).engine, cwd=path.parent)
 
 
 TRL_CHANGED = {
@@ -175,6 +190,32 @@ TRL_CHANGED = {
 GRPOD_MATCHES_TRL = {
     "advantage_std": "sample",  # TRL divides by the n - 1 std (grpod's default: n)
 }
+
+
+def toml_trl_changed(engine) -> dict[str, tuple[Any, str]]:
+    """TRL's settings for a grpod.toml campaign (W4): W1's TRL_CHANGED with the campaign's
+    batch, completion budget, sampling, optimizer and reward weights in place of W1's."""
+    batch = engine.prompts_per_step * engine.group_size
+    return {
+        **TRL_CHANGED,
+        "learning_rate": (engine.lr, f"the campaign's lr {engine.lr:g} (TRL default 1e-6)"),
+        "max_grad_norm": (engine.max_grad_norm, "the campaign's max_grad_norm"),
+        "per_device_train_batch_size": (
+            batch,
+            f"{engine.prompts_per_step} prompts x {engine.group_size} completions per step",
+        ),
+        "num_generations": (engine.group_size, "the campaign's group size (TRL default 8)"),
+        "max_completion_length": (
+            engine.max_new_tokens,
+            f"{engine.max_new_tokens} new tokens (TRL default 512)",
+        ),
+        "temperature": (engine.temperature, "the campaign's sampling temperature"),
+        "top_p": (engine.top_p, "the campaign's top_p"),
+        "reward_weights": (
+            list(engine.reward_weights) or None,
+            "the campaign's reward_weights (weighted sum, as grpod)",
+        ),
+    }
 
 
 def trl_config(max_steps: int, output_dir: str, seed: int = 0, **overrides: Any):
@@ -218,21 +259,26 @@ def _trl_worker(conn, task: str, max_steps: int, seed: int = 0, guarded: bool = 
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    if task == "kv-retrieval":  # W2: per-step prompts, 256-token positions, 4 x 4 per step
-        prompts, chars, overrides = w2_trl_task(max_steps + 1)
-        from grpod.engine.model.policy import build_tiny_qwen2
-
-        model = build_tiny_qwen2(len(SPECIALS) + len(chars), W2_ENGINE["seq_len"])
-    else:
-        prompts, chars, overrides, model = task_prompts(task), ARITH_CHARS, {}, build_model()
-    dataset = Dataset.from_list([{"prompt": p, "answer": a} for p, a in prompts])
     last: dict[str, float] = {}
+    if task.endswith(".toml"):  # a grpod.toml campaign (W4): its model, prompts and rewards
+        dataset, reward_funcs, model, tokenizer, overrides = toml_trl_task(task, last)
+    else:
+        if task == "kv-retrieval":  # W2: per-step prompts, 256-token positions, 4 x 4 per step
+            prompts, chars, overrides = w2_trl_task(max_steps + 1)
+            from grpod.engine.model.policy import build_tiny_qwen2
 
-    def reward(prompts, completions, completion_ids, answer, **_) -> list[float]:
-        values = [completion_reward(ids, a, chars) for ids, a in zip(completion_ids, answer)]
-        last["reward"] = sum(values) / len(values)
-        last["tokens"] = sum(len(ids) for ids in completion_ids)
-        return values
+            model = build_tiny_qwen2(len(SPECIALS) + len(chars), W2_ENGINE["seq_len"])
+        else:
+            prompts, chars, overrides, model = task_prompts(task), ARITH_CHARS, {}, build_model()
+        dataset = Dataset.from_list([{"prompt": p, "answer": a} for p, a in prompts])
+
+        def reward(prompts, completions, completion_ids, answer, **_) -> list[float]:
+            values = [completion_reward(ids, a, chars) for ids, a in zip(completion_ids, answer)]
+            last["reward"] = sum(values) / len(values)
+            last["tokens"] = sum(len(ids) for ids in completion_ids)
+            return values
+
+        reward_funcs, tokenizer = [reward], build_hf_tokenizer(chars)
 
     class Lockstep(TrainerCallback):
         """Blocks at every step start until the parent says go; reports the step that ended."""
@@ -262,10 +308,10 @@ def _trl_worker(conn, task: str, max_steps: int, seed: int = 0, guarded: bool = 
             cls, extra = GuardedGRPOTrainer, {"grpod": GrpodTRLConfig(run_dir=f"{out}/run")}
         trainer = cls(
             model=model,
-            reward_funcs=[reward],
+            reward_funcs=reward_funcs,
             args=trl_config(max_steps, f"{out}/trl", seed, **overrides),
             train_dataset=dataset,
-            processing_class=build_hf_tokenizer(chars),
+            processing_class=tokenizer,
             callbacks=[Lockstep()],
             **extra,
         )
@@ -294,6 +340,60 @@ def _trl_worker(conn, task: str, max_steps: int, seed: int = 0, guarded: bool = 
     conn.send(("done", peak_rss_mib(), None))
 
 
+def toml_trl_task(path: str, last: dict[str, float]) -> tuple[Any, list, Any, Any, dict]:
+    """TRL's side of a grpod.toml campaign (W4): the dataset (every task prompt, as chat
+    messages under the system prompt when `prompt_format = "chat"`), one TRL reward function
+    per grpod reward (each calls the same `module:function` with grpod's arguments: prompt
+    text, completion text, answer; TRL weighs them by `reward_weights`), the model directory
+    in FP32, its tokenizer, and `toml_trl_changed`'s settings. `last` gets the step's
+    weighted mean reward and completion tokens, as the W1 reward records them."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpod.engine.data.inputs import use_reward_path
+    from grpod.engine.data.tasks import config_task, load_reward
+
+    engine = engine_config(path)
+    use_reward_path(engine)  # the campaign's reward modules, as grpod's Engine imports them
+    system = [{"role": "system", "content": engine.system_prompt}] if engine.system_prompt else []
+
+    def prompt(text: str):
+        return (
+            [*system, {"role": "user", "content": text}] if engine.prompt_format == "chat" else text
+        )
+
+    rows = [
+        {"prompt": prompt(p.text), "text": p.text, "answer": p.answer}
+        for p in config_task(engine).prompts
+    ]
+    specs = list(engine.rewards) or [engine.reward]
+    weights = list(engine.reward_weights) or [1.0] * len(specs)
+    means: dict[str, tuple[float, float]] = {}
+
+    def trl_reward(spec: str, weight: float):
+        fn = load_reward(spec)
+
+        def reward(prompts, completions, completion_ids, text, answer, **_) -> list[float]:
+            completions = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+            values = [float(fn(t, c, a)) for t, c, a in zip(text, completions, answer)]
+            means[spec] = (weight, sum(values) / len(values))
+            last["reward"] = sum(w * m for w, m in means.values())  # all of them, once the last ran
+            last["tokens"] = sum(len(ids) for ids in completion_ids)
+            return values
+
+        reward.__name__ = spec.replace(":", ".")
+        return reward
+
+    model = AutoModelForCausalLM.from_pretrained(engine.model, dtype=torch.float32)
+    return (
+        Dataset.from_list(rows),
+        [trl_reward(s, w) for s, w in zip(specs, weights)],
+        model,
+        AutoTokenizer.from_pretrained(engine.model),
+        {k: v for k, (v, _) in toml_trl_changed(engine).items() if k != "seed"},  # the run's
+    )
+
+
 class _Stop(Exception):
     """The parent ended the run before TRL's max_steps."""
 
@@ -310,6 +410,7 @@ def run_interleaved(
     stop: Callable[[dict], bool] | None = None,
     seed: int = 0,
     idle_gap: float = 0.0,
+    progress_every: int = 25,
 ) -> dict[str, dict]:
     """Run up to `steps` steps of grpod and TRL in lock step; returns per-side traces.
 
@@ -332,6 +433,7 @@ def run_interleaved(
         steps,
         stop,
         idle_gap,
+        progress_every,
     )
 
 
@@ -340,6 +442,7 @@ def run_lockstep(
     steps: int,
     stop: Callable[[dict], bool] | None = None,
     idle_gap: float = 0.0,
+    progress_every: int = 25,
 ) -> dict[str, dict]:
     """Two workers `{name: (target, args, extra environment)}` stepped alternately, with
     `idle_gap` seconds of sleep before each step (not counted: each worker times itself)."""
@@ -390,7 +493,7 @@ def run_lockstep(
             t["reward"].append(reward)
             t["tokens"].append(tokens)
             t["phases"].append(phases)
-        if (k + 1) % 25 == 0:  # progress on stderr; stdout carries only the JSON line
+        if (k + 1) % progress_every == 0:  # progress on stderr; stdout carries only the JSON line
             print(
                 f"step {k + 1}: "
                 + ", ".join(
@@ -412,18 +515,41 @@ def run_lockstep(
 
 
 # ------------------------------------------------------------------ reporting
-def summarise(t: dict, first_step: int = 3) -> dict[str, float]:
-    """Median s/step over steps `first_step`..N (1-based), rates, RSS, reward first/last 5."""
+def summarise(
+    t: dict, first_step: int = 3, completions: int = PROMPTS_PER_STEP * GROUP_SIZE
+) -> dict[str, float]:
+    """Median s/step over steps `first_step`..N (1-based), rates (`completions` a step),
+    RSS, reward first/last 5."""
     window = t["seconds"][first_step - 1 :]
     median = statistics.median(window)
     tokens = statistics.mean(t["tokens"][first_step - 1 :])
     return {
         "median_s_per_step": round(median, 5),
-        "completions_per_s": round(PROMPTS_PER_STEP * GROUP_SIZE / median, 1),
+        "completions_per_s": round(completions / median, 2),
         "completion_tokens_per_s": round(tokens / median, 1),
         "peak_rss_mib": round(t["peak_rss_mib"], 1),
         "reward_first5": round(statistics.mean(t["reward"][:5]), 4),
         "reward_last5": round(statistics.mean(t["reward"][-5:]), 4),
+    }
+
+
+def compare(trace: dict[str, dict], completions: int = PROMPTS_PER_STEP * GROUP_SIZE) -> dict:
+    """A grpod-vs-TRL trace's figures: each side's `summarise` (steps 3..N, `completions` a
+    step), grpod's median phase seconds, and the grpod / TRL ratios."""
+    g, t = (summarise(trace[name], completions=completions) for name in ("grpod", "trl"))
+    phases = trace["grpod"]["phases"][2:]
+    return {
+        "same_initial_weights": trace["grpod"]["weights"] == trace["trl"]["weights"],
+        "grpod": g,
+        "trl": t,
+        "grpod_phase_median_s": {
+            k: round(statistics.median(p[k] for p in phases), 5) for k in phases[0]
+        },
+        "ratio_completions_per_s": round(g["completions_per_s"] / t["completions_per_s"], 2),
+        "ratio_completion_tokens_per_s": round(
+            g["completion_tokens_per_s"] / t["completion_tokens_per_s"], 2
+        ),
+        "ratio_peak_rss": round(g["peak_rss_mib"] / t["peak_rss_mib"], 2),
     }
 
 

@@ -9,9 +9,8 @@ tokens/s, peak RSS, first/last 5-step mean reward; and the grpod / TRL ratios.
 from __future__ import annotations
 
 import argparse
-import statistics
 
-from common import GRPOD_MATCHES_TRL, TRL_CHANGED, emit, run_interleaved, summarise
+from common import GRPOD_MATCHES_TRL, TRL_CHANGED, compare, emit, run_interleaved
 
 
 def main() -> None:
@@ -25,25 +24,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     trace = run_interleaved("arith", args.steps, idle_gap=args.idle_gap)
-    sides = {name: summarise(t) for name, t in trace.items()}
-    g, t = sides["grpod"], sides["trl"]
-    phases = trace["grpod"]["phases"][2:]
     emit(
         {
             "workload": "W1",
             "steps": args.steps,
             "idle_gap_s": args.idle_gap,
-            "same_initial_weights": trace["grpod"]["weights"] == trace["trl"]["weights"],
-            "grpod": g,
-            "trl": t,
-            "grpod_phase_median_s": {
-                k: round(statistics.median(p[k] for p in phases), 5) for k in phases[0]
-            },
-            "ratio_completions_per_s": round(g["completions_per_s"] / t["completions_per_s"], 2),
-            "ratio_completion_tokens_per_s": round(
-                g["completion_tokens_per_s"] / t["completion_tokens_per_s"], 2
-            ),
-            "ratio_peak_rss": round(g["peak_rss_mib"] / t["peak_rss_mib"], 2),
+            **compare(trace),
             "trl_changed": sorted(TRL_CHANGED),
             "grpod_changed": GRPOD_MATCHES_TRL,
         }
