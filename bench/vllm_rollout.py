@@ -31,6 +31,8 @@ if str(ROOT) not in sys.path:  # run as `python bench/vllm_rollout.py` from the 
 
 from common import emit, engine_config, peak_rss_mib, run_lockstep, set_threads  # noqa: E402
 
+from grpod.engine.rollout.sampler import SamplingSettings  # noqa: E402
+
 
 def worker(conn, backend: str) -> None:
     set_threads()
@@ -65,19 +67,18 @@ def probe_cost(engine, seed: int) -> dict[str, float]:
         for p in engine.task.prompts_for_step(engine.step, cfg.prompts_per_step, cfg.seed)
         for _ in range(cfg.group_size)
     ]
-    settings = dict(
+    settings = SamplingSettings(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         eos_token_id=engine.stop_token_ids,
         pad_token_id=engine.tokenizer.pad_token_id,
-        seed=seed,
     )
     times = {}
     order = [None, engine.sampling.probe] if seed % 2 else [engine.sampling.probe, None]
     for probe in order:
         started = time.perf_counter()
-        engine.vllm.sample(prompts, probe=probe, **settings)
+        engine.vllm.sample(prompts, settings, seed=seed, probe=probe)
         times["with" if probe else "without"] = time.perf_counter() - started
     return {"probe_vllm": times["with"] - times["without"]}
 

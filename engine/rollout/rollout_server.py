@@ -52,7 +52,7 @@ from grpod.engine.rollout.rollout_vllm import (
     to_rollout,
     weights_to_push,
 )
-from grpod.engine.rollout.sampler import Rollout
+from grpod.engine.rollout.sampler import Rollout, SamplingSettings
 from grpod.engine.rollout.vllm_server import (
     EXIT_GRACE_SECONDS,
     UNIX_PREFIX,
@@ -153,32 +153,27 @@ class ServerSampler:
     def sample(
         self,
         prompts: list[list[int]],
+        settings: SamplingSettings,
         *,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        eos_token_id: int | list[int],
-        pad_token_id: int,
         seed: int,
         probe: list[int] | None = None,
     ) -> tuple[Rollout, ProbeScores | None]:
         """One completion per prompt, each request seeded from `seed` and its index, and the
         weight-sync probe's scores (`probe`): the colocated sampler's contract."""
-        stop = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         bodies = [
             _completion(
                 p,
-                max_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
+                max_tokens=settings.max_new_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
                 seed=(seed + i) % (1 << 63),
-                stop_token_ids=stop,
+                stop_token_ids=settings.stop_ids,
             )
             for i, p in enumerate(prompts)
         ]
         if probe is not None:
             common = dict(temperature=1.0, top_p=1.0, seed=seed, ignore_eos=True)
-            continuation = min(CONTINUATION_TOKENS, max_new_tokens)
+            continuation = min(CONTINUATION_TOKENS, settings.max_new_tokens)
             bodies[:0] = [
                 _completion(probe, max_tokens=continuation, **common),
                 _completion(probe, max_tokens=1, prompt_logprobs=0, **common),
@@ -189,7 +184,7 @@ class ServerSampler:
             scores = self._probe_scores(probe, answers[0], answers[1])
             answers = answers[2:]
         completions = [self._sampled(a) for a in answers]
-        return to_rollout(completions, max_new_tokens, pad_token_id), scores
+        return to_rollout(completions, settings.max_new_tokens, settings.pad_token_id), scores
 
     def close(self) -> None:
         """Stop the server grpod started; remove the snapshots it was given."""

@@ -30,7 +30,7 @@ import torch
 from grpod.base.oneline import one_line
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
-from grpod.engine.rollout.sampler import Rollout
+from grpod.engine.rollout.sampler import Rollout, SamplingSettings
 from grpod.engine.rollout.vllm_limits import CPU_KV_CACHE_BYTES, served_lengths
 from grpod.engine.weight_sync import CONTINUATION_TOKENS, ProbeScores, PushFaults
 
@@ -138,12 +138,8 @@ class VLLMSampler:
     def sample(
         self,
         prompts: list[list[int]],
+        settings: SamplingSettings,
         *,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        eos_token_id: int | list[int],
-        pad_token_id: int,
         seed: int,
         probe: list[int] | None = None,
     ) -> tuple[Rollout, ProbeScores | None]:
@@ -158,15 +154,14 @@ class VLLMSampler:
         used when the check fails (the guard skips the step).
         """
         vllm = self._vllm
-        stop = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
         params = [
             vllm.SamplingParams(
                 n=1,
-                temperature=temperature,
-                top_p=top_p,
-                max_tokens=max_new_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                max_tokens=settings.max_new_tokens,
                 logprobs=0,  # the sampled token's own logprob
-                stop_token_ids=stop,
+                stop_token_ids=settings.stop_ids,
                 seed=(seed + i) % (1 << 63),
                 detokenize=False,
             )
@@ -175,7 +170,7 @@ class VLLMSampler:
         requests = [vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts]
         if probe is not None:
             common = dict(temperature=1.0, top_p=1.0, logprobs=0, ignore_eos=True, seed=seed)
-            continuation = min(CONTINUATION_TOKENS, max_new_tokens)
+            continuation = min(CONTINUATION_TOKENS, settings.max_new_tokens)
             params[:0] = [
                 vllm.SamplingParams(max_tokens=continuation, detokenize=False, **common),
                 vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, **common),
@@ -188,8 +183,8 @@ class VLLMSampler:
             outputs = outputs[2:]
         rollout = to_rollout(
             [sampled(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs],
-            max_new_tokens,
-            pad_token_id,
+            settings.max_new_tokens,
+            settings.pad_token_id,
         )
         return rollout, scores
 

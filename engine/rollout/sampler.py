@@ -21,6 +21,23 @@ from grpod.engine.kvcache import CacheStats
 from grpod.engine.weight_sync import ProbeScores, PushFaults
 
 
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How every backend samples a step: the budget, the distribution and the stop."""
+
+    max_new_tokens: int
+    temperature: float  # 0: greedy
+    top_p: float
+    eos_token_id: int | list[int]  # any of them ends a completion
+    pad_token_id: int
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """The stop tokens as a list (a backend's request field)."""
+        eos = self.eos_token_id
+        return [eos] if isinstance(eos, int) else list(eos)
+
+
 @dataclass
 class Rollout:
     """One completion per prompt, padded to the longest asked for (`max_new` tokens)."""
@@ -47,12 +64,8 @@ class Sampler(Protocol):
     def sample(
         self,
         prompts: list[list[int]],
+        settings: SamplingSettings,
         *,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        eos_token_id: int | list[int],
-        pad_token_id: int,
         seed: int,
         probe: list[int] | None = None,
     ) -> tuple[Rollout, ProbeScores | None]:

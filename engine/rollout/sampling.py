@@ -30,7 +30,7 @@ from grpod.engine.faults import Faults
 from grpod.engine.model.head import sequence_logprobs
 from grpod.engine.model.parallel import Parallel
 from grpod.engine.phases import PhaseClock
-from grpod.engine.rollout.sampler import Rollout, Sampler
+from grpod.engine.rollout.sampler import Rollout, Sampler, SamplingSettings
 from grpod.engine.rollout.stop_strings import cut_at_stop_strings, strip_stop_strings
 from grpod.engine.rollout.torch_sampler import TorchSampler
 from grpod.engine.weight_sync import ProbeScores, WeightSyncCheck, compare, probe_sequence
@@ -182,7 +182,7 @@ class Sampling:
         def run() -> None:
             started = time.perf_counter()
             try:
-                rollout, _ = self.vllm.sample(prompts, seed=seed, **settings)
+                rollout, _ = self.vllm.sample(prompts, settings, seed=seed)
             except BaseException as exc:  # raised again where the rollout is taken
                 future.set_exception(exc)
             else:
@@ -251,7 +251,7 @@ class Sampling:
         return on_node_leader(self.parallel, push_and_check)
 
     def _probe_check(self, seed: int) -> WeightSyncCheck:
-        _, scores = self.vllm.sample([], seed=seed, probe=self.probe, **self._settings(None))
+        _, scores = self.vllm.sample([], self._settings(None), seed=seed, probe=self.probe)
         return self._check_sampler(scores)
 
     def _agree(self, failure: BaseException | None) -> None:
@@ -263,9 +263,9 @@ class Sampling:
                 "the node's rollout server failed a peer rank's rollout (that rank's line says how)"
             )
 
-    def _settings(self, temperature: float | None) -> dict:
+    def _settings(self, temperature: float | None) -> SamplingSettings:
         cfg = self.config
-        return dict(
+        return SamplingSettings(
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature if temperature is None else temperature,
             top_p=cfg.top_p,
@@ -281,12 +281,12 @@ class Sampling:
         `sync_check` phase)."""
         settings = self._settings(temperature)
         if self.vllm is not None and not probe:  # pushed and checked by `_push_and_check`
-            return self.vllm.sample(prompts, seed=seed, **settings)[0]
+            return self.vllm.sample(prompts, settings, seed=seed)[0]
         if self.vllm is not None:  # pushed by `_push_to_sampler`
-            rollout, scores = self.vllm.sample(prompts, seed=seed, probe=self.probe, **settings)
+            rollout, scores = self.vllm.sample(prompts, settings, seed=seed, probe=self.probe)
             self.weight_sync = self._check_sampler(scores)
             return rollout
-        return self.torch_sampler.sample(prompts, seed=seed, **settings)[0]
+        return self.torch_sampler.sample(prompts, settings, seed=seed)[0]
 
     def _push_to_sampler(self, step: int | None) -> None:
         """Push the rollout model's weights into vLLM (started on first use); its rollout

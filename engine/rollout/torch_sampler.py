@@ -17,7 +17,7 @@ from grpod.engine.kvcache import KVCacheSpec
 from grpod.engine.model.fused import StaticDecoder, unsupported
 from grpod.engine.model.kvdecoder import BoundedDecoder
 from grpod.engine.model.policy import compute_context
-from grpod.engine.rollout.sampler import Rollout
+from grpod.engine.rollout.sampler import Rollout, SamplingSettings
 from grpod.engine.weight_sync import ProbeScores, PushFaults
 
 
@@ -192,12 +192,8 @@ class TorchSampler:
     def sample(
         self,
         prompts: list[list[int]],
+        settings: SamplingSettings,
         *,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        eos_token_id: int | list[int],
-        pad_token_id: int,
         seed: int,
         probe: list[int] | None = None,
     ) -> tuple[Rollout, ProbeScores | None]:
@@ -207,11 +203,11 @@ class TorchSampler:
         rollout = sample(
             self.model,
             prompts,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            eos_token_id=settings.eos_token_id,
+            pad_token_id=settings.pad_token_id,
             generator=torch.Generator(device).manual_seed(seed),
             dtype=cfg.dtype,
             decoder=cfg.rollout_decoder,

@@ -24,6 +24,7 @@ from grpod.engine import Engine, EngineError
 from grpod.engine.errors import SamplerError
 from grpod.engine.grpo.preflight import preflight
 from grpod.engine.rollout.rollout_server import ServerSampler
+from grpod.engine.rollout.sampler import SamplingSettings
 from grpod.engine.rollout.vllm_server import ServerClient, ServerProcess, free_port
 from tests.engine.helpers import config
 
@@ -160,11 +161,9 @@ def sampler(url: str, tmp_path: Path) -> ServerSampler:
 def sample(s: ServerSampler, probe: list[int] | None = None):
     return s.sample(
         [[3, 4, 5], [3, 4]],
-        max_new_tokens=4,
-        temperature=1.0,
-        top_p=1.0,
-        eos_token_id=2,
-        pad_token_id=0,
+        SamplingSettings(
+            max_new_tokens=4, temperature=1.0, top_p=1.0, eos_token_id=2, pad_token_id=0
+        ),
         seed=7,
         probe=probe,
     )
