@@ -324,6 +324,7 @@ def _incidents_export(args: argparse.Namespace) -> int:
 
 def _fsck(args: argparse.Namespace) -> int:
     from grpod.forensics import fsck
+    from grpod.forensics.ledger import coverage_line
 
     _run_dir(args)
     report = fsck(args.run_dir, args.store_url)
@@ -338,6 +339,7 @@ def _fsck(args: argparse.Namespace) -> int:
             print(f"warning: {line}")
         if report.resume and report.resume_step is not None:
             print(report.resume)
+        print(coverage_line(report.ledger))
         state = "ok" if report.ok else f"{len(report.problems)} problems"
         print(
             f"fsck: {report.blobs_checked} blobs, {report.checkpoints_checked} checkpoints "

@@ -23,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _status(args: argparse.Namespace) -> int:
     from grpod.daemon.rundir import existing_run_dir
+    from grpod.forensics.ledger import coverage_line
 
     store_url = _store_url(args.run_dir)
     run = existing_run_dir(args.run_dir, store_url)  # its store at this grpod's schema
@@ -43,6 +44,8 @@ def _status(args: argparse.Namespace) -> int:
         f"incidents {result.get('incidents', 0)}; latest checkpoint step "
         f"{result.get('checkpoint_step')}; last verdict {result.get('last_verdict')}",
     ]
+    if result.get("ledger"):
+        lines.append(coverage_line(result["ledger"]))
     if result.get("metrics") and result.get("state") == "running":
         lines.append(f"metrics {result['metrics']}")
     print("\n".join(lines))
@@ -63,6 +66,7 @@ def store_summary(
         return None
     try:
         summary = store.summary()
+        ledger = _coverage(store)
     except ForensicsError:
         if strict:
             raise
@@ -78,7 +82,22 @@ def store_summary(
         "last_verdict_action": summary.last_verdict_action,
         "incidents": len(summary.incident_steps),
         "incident_steps": list(summary.incident_steps),
+        "ledger": ledger,
     }
+
+
+def _coverage(store: Any) -> dict[str, Any] | None:
+    """The prompt ledger's coverage of each epoch, and how many prompts are missing or
+    duplicated (forensics/ledger.py); None when the store cannot say (an older schema)."""
+    from grpod.forensics.errors import ForensicsError
+    from grpod.forensics.ledger import check_store
+
+    try:
+        ledger = check_store(store).to_dict()
+    except ForensicsError:
+        return None
+    counts = {k: len(ledger[k]) for k in ("missing", "duplicated")}
+    return {k: ledger[k] for k in ("checked", "note", "last_step", "epochs")} | counts
 
 
 def _store_url(run_dir: str) -> str:
