@@ -173,5 +173,5 @@ def test_a_store_without_ledger_rows_is_noted_not_failed(run_dir: Path) -> None:
     recorder.record(decided(two_prompt_batch(0), tiny_report(0), PASS, "applied"))
     recorder.close()
     report = fsck(run_dir)
-    assert report.ok and not report.ledger["checked"]
-    assert any(note.startswith("ledger: no prompt recorded") for note in report.notes)
+    assert report.ok and not report.ledger["checked"] and not report.notes
+    assert report.ledger["note"].startswith("no prompt recorded in the ledger")
