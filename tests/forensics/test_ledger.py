@@ -87,10 +87,12 @@ def record(
     flushed: tuple[int, ...] = (),
     dropped: tuple[int, ...] = (),
     evals: tuple[int, ...] = (),
+    spec: LedgerSpec = SPEC,
 ) -> None:
     """One run (or a resume of it at `next_step`) recording `steps` with the ledger on."""
     recorder = FlightRecorder(run_dir, ForensicsConfig())
-    recorder.start_run("r1", CONFIG, {}, "cpu", ledger=SPEC, next_step=next_step)
+    config = {"engine": {"prompts_per_step": 2, "epochs": spec.epochs, "seed": 5}}
+    recorder.start_run("r1", config, {}, "cpu", ledger=spec, next_step=next_step)
     try:
         for step in steps:
             if step in evals:
@@ -100,7 +102,7 @@ def record(
                 )  # fmt: skip
             flush = step in flushed
             result = decided(
-                two_prompt_batch(step),
+                two_prompt_batch(step, spec.epochs),
                 tiny_report(step),
                 FLUSH if flush else PASS,
                 "flushed" if flush else "applied",
@@ -175,3 +177,17 @@ def test_a_store_without_ledger_rows_is_noted_not_failed(run_dir: Path) -> None:
     report = fsck(run_dir)
     assert report.ok and not report.ledger["checked"] and not report.notes
     assert report.ledger["note"].startswith("no prompt recorded in the ledger")
+
+
+def test_with_epochs_per_generation_each_pass_is_accounted(run_dir: Path) -> None:
+    spec = dataclasses.replace(SPEC, epochs=2)  # steps 2g and 2g + 1 train generation g
+    record(run_dir, range(6), next_step=0, flushed=(3,), spec=spec)
+    ledger = fsck(run_dir).ledger
+    assert ledger["missing"] == ledger["duplicated"] == []
+    assert ledger["epochs"] == {
+        "0": {"size": 6, "prompts": 6, "complete": True, "fates": {"trained": 10, "flushed": 2}}
+    }
+    record(run_dir, range(7, 8), next_step=None, spec=spec)  # step 6 (pass 0) never recorded
+    ledger = fsck(run_dir).ledger
+    assert [(m["prompt_id"], m["step"]) for m in ledger["missing"]] == [(6, 6), (7, 6)]
+    assert ledger["epochs"]["1"]["prompts"] == 0  # each of its prompts lacks a pass
