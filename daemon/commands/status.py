@@ -30,7 +30,7 @@ def _status(args: argparse.Namespace) -> int:
     live = run.read_status() or {}
     if live.get("state") in ("starting", "running", "stopping") and not _alive(live.get("pid")):
         live["state"] = "dead (no process; resume with grpod run --run-dir)"
-    summary = store_summary(run.path, store_url, strict=True) or {}  # unreadable: exit 2
+    summary = store_summary(run.path, store_url, strict=True, ledger=True) or {}
     result = {"run_dir": str(run.path), "run_id": run.run_id(), **live, **summary}
     if args.json:
         print(json.dumps(result, sort_keys=True))
@@ -53,10 +53,11 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def store_summary(
-    run_dir: str | os.PathLike, store_url: str = "", *, strict: bool = False
+    run_dir: str | os.PathLike, store_url: str = "", *, strict: bool = False, ledger: bool = False
 ) -> dict[str, Any] | None:
-    """Recorded steps by outcome, re-runs, incidents, the last step; None without a store.
-    `strict`: a store that is there but unreadable is a ForensicsError, not None."""
+    """Recorded steps by outcome, re-runs, incidents, the last step (`ledger`: and the prompt
+    ledger's coverage); None without a store. `strict`: a store that is there but unreadable
+    is a ForensicsError (exit 2), not None."""
     from grpod.forensics.errors import ForensicsError
     from grpod.forensics.store import Store
 
@@ -66,7 +67,7 @@ def store_summary(
         return None
     try:
         summary = store.summary()
-        ledger = _coverage(store)
+        coverage = _coverage(store) if ledger else None
     except ForensicsError:
         if strict:
             raise
@@ -82,7 +83,7 @@ def store_summary(
         "last_verdict_action": summary.last_verdict_action,
         "incidents": len(summary.incident_steps),
         "incident_steps": list(summary.incident_steps),
-        "ledger": ledger,
+        "ledger": coverage,
     }
 
 
