@@ -337,9 +337,9 @@ def _fsck(args: argparse.Namespace) -> int:
             print(f"note: {line}")
         for line in report.warnings:
             print(f"warning: {line}")
+        print(coverage_line(report.ledger))
         if report.resume and report.resume_step is not None:
             print(report.resume)
-        print(coverage_line(report.ledger))
         state = "ok" if report.ok else f"{len(report.problems)} problems"
         print(
             f"fsck: {report.blobs_checked} blobs, {report.checkpoints_checked} checkpoints "
