@@ -7,8 +7,9 @@ holding up to `queue_size` of a group's batches (and HOLD_BYTES) in memory, beyo
 stages them early. At the commit each batch blob is serialised: one of at most
 `inline_blob_bytes` into memory, for its row; a larger one into a temp file, and every such
 file is fsynced and renamed into place, the directory fsynced once. Then one transaction adds
-the blob rows (with the inline bytes), the step rows and, for a distributed step, a row per
-rank naming its slice of the step's global blob (forensics/ranks.py): a group of small
+the blob rows (with the inline bytes), the step rows, for a distributed step a row per rank
+naming its slice of the step's global blob (forensics/ranks.py), and with `start_run(ledger=)`
+a row per prompt of each step, its fate (forensics/ledger.py): a group of small
 batches costs one fsync of the store, not one per batch. A step that opens an incident (an
 episode of a finding, forensics/episodes.py) commits its group at once; so do a noted
 checkpoint (the steps before it first), `drain()` and `close()`. A crash loses at most the
