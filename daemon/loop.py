@@ -61,6 +61,7 @@ from grpod.engine import Engine
 from grpod.engine.config import VLLM_BACKENDS
 from grpod.engine.grpo.eval import Evaluator
 from grpod.engine.verdict import Action
+from grpod.forensics.ledger import LedgerSpec
 from grpod.guards import GuardPolicy
 
 
@@ -171,7 +172,20 @@ class Daemon:
         restored, self.sink.rerun_through = self.checkpoints.restore()
         if self.progress is not None:
             self.progress.start = self.engine.step
-        self.recorder.start_run(plan.run_id, cfg.to_json(), self.versions, device_name())
+        ledger = LedgerSpec(  # every prompt's fate (forensics/ledger.py), from this step on
+            cfg.engine.prompts_per_step,
+            cfg.engine.epochs,
+            self.engine.task.epoch_size,
+            cfg.engine.seed,
+        )
+        self.recorder.start_run(
+            plan.run_id,
+            cfg.to_json(),
+            self.versions,
+            device_name(),
+            ledger=ledger,
+            next_step=self.engine.step,
+        )
         if self.server is not None:
             self.server.start()
         self.log.info(

@@ -56,7 +56,7 @@ class NoRecorder:
     def note_eval(self, result: dict[str, Any]) -> None:
         pass
 
-    def start_run(self, *args: Any) -> None:
+    def start_run(self, *args: Any, **kwargs: Any) -> None:
         pass
 
     def record(self, *args: Any, **kwargs: Any) -> None:

@@ -1,5 +1,6 @@
 """`fsck` (every referenced blob exists and verifies; the rank rows of every step that has
-them add up; every kept checkpoint is complete, and which one resume would choose) and `gc`
+them add up; every kept checkpoint is complete, and which one resume would choose; the prompt
+ledger accounts for every prompt exactly once, forensics/ledger.py) and `gc`
 (prune within a size budget).
 
 What retention keeps and how it prunes is forensics/retention.py (the daemon runs it after every
@@ -21,6 +22,7 @@ from sqlalchemy.orm.exc import ObjectDeletedError
 from grpod.engine.state.distcp import problems
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.errors import ForensicsError
+from grpod.forensics.ledger import check_ledger
 from grpod.forensics.models import Blob, Checkpoint, Step, StepRank
 from grpod.forensics.resume import choose_checkpoint
 from grpod.forensics.retention import GcReport, leftovers, pins, prune, retention_start
@@ -38,6 +40,8 @@ class FsckReport:
     problems: list[str] = field(default_factory=list)  # each one line; empty = healthy
     notes: list[str] = field(default_factory=list)  # harmless leftovers gc will remove
     warnings: list[str] = field(default_factory=list)  # e.g. a run dir others can read
+    # the prompt ledger: {checked, note, last_step, missing, duplicated, epochs, ...}
+    ledger: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -76,6 +80,9 @@ def fsck(run_dir: str | os.PathLike, store_url: str = "") -> FsckReport:
         store.check_schema()
         with store.session() as session:
             report.problems += _unbacked_steps(store, session)
+            ledger = check_ledger(session, store.run_ids(session))
+            report.ledger = ledger.to_dict()
+            report.problems += ledger.problems()  # (why nothing was checked: its `note`)
             rows = {b.sha256: b for b in session.scalars(select(Blob).order_by(Blob.sha256))}
             counts: dict[str, tuple[int, int]] = {}  # digest -> (micros, samples), verified
             for digest, row in rows.items():

@@ -191,3 +191,30 @@ class Eval(Base):
     completion_length_mean: Mapped[float] = mapped_column(Float)
     seconds: Mapped[float] = mapped_column(Float)
     recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class PromptFate(Base):
+    """A prompt's fate in the ledger (schema 0007_prompt_ledger; forensics/ledger.py): trained,
+    flushed or skipped at `step`, or evaluated. Rows are keyed by (epoch, prompt_id) and carry
+    their step; a resumed run supersedes the rows of the steps it re-runs."""
+
+    __tablename__ = "prompt_ledger"
+    __table_args__ = (
+        Index("ix_prompt_ledger_run_prompt", "run_id", "prompt_id"),
+        Index("ix_prompt_ledger_run_step", "run_id", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)  # the step that decided it (eval: the cursor)
+    fate: Mapped[str] = mapped_column(String(16))  # trained | flushed | skipped | eval
+    prompt_id: Mapped[int] = mapped_column(BigInteger)  # its data stream position (eval: index)
+    epoch: Mapped[int | None] = mapped_column(Integer)  # prompt_id // epoch_size (eval: NULL)
+    epoch_size: Mapped[int | None] = mapped_column(Integer)  # the task's prompts (NULL: generated)
+    task_row: Mapped[int | None] = mapped_column(Integer)  # its row of the task (NULL: generated)
+    generation_pass: Mapped[int] = mapped_column(Integer)  # step % epochs
+    rank: Mapped[int] = mapped_column(Integer)  # the torchrun rank that trained it
+    stale_drops: Mapped[int] = mapped_column(Integer)  # its step's rollouts dropped as too stale
+    reason: Mapped[str] = mapped_column(Text)  # the guards behind a flush or skip ("" trained)
+    superseded: Mapped[bool] = mapped_column(Boolean, default=False)  # re-run after a resume
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -7,8 +7,9 @@ holding up to `queue_size` of a group's batches (and HOLD_BYTES) in memory, beyo
 stages them early. At the commit each batch blob is serialised: one of at most
 `inline_blob_bytes` into memory, for its row; a larger one into a temp file, and every such
 file is fsynced and renamed into place, the directory fsynced once. Then one transaction adds
-the blob rows (with the inline bytes), the step rows and, for a distributed step, a row per
-rank naming its slice of the step's global blob (forensics/ranks.py): a group of small
+the blob rows (with the inline bytes), the step rows, for a distributed step a row per rank
+naming its slice of the step's global blob (forensics/ranks.py), and with `start_run(ledger=)`
+a row per prompt of each step, its fate (forensics/ledger.py): a group of small
 batches costs one fsync of the store, not one per batch. A step that opens an incident (an
 episode of a finding, forensics/episodes.py) commits its group at once; so do a noted
 checkpoint (the steps before it first), `drain()` and `close()`. A crash loses at most the
@@ -37,7 +38,8 @@ from grpod.forensics.blobs import BlobStore, StagedBlob
 from grpod.forensics.config import ForensicsConfig
 from grpod.forensics.episodes import Episode, EpisodeTracker, Observation, write_episode
 from grpod.forensics.errors import ForensicsError
-from grpod.forensics.models import Blob, Checkpoint, Eval, Run, Step, StepRank
+from grpod.forensics.ledger import LedgerSpec, eval_rows, step_rows, supersede
+from grpod.forensics.models import Blob, Checkpoint, Eval, PromptFate, Run, Step, StepRank
 from grpod.forensics.ranks import rank_columns
 from grpod.forensics.store import Store
 
@@ -51,6 +53,7 @@ HOLD_BYTES = 64 * 1024**2  # batch bytes a commit group may hold in memory befor
 _STEP_INSERT = insert(Step)
 _BLOB_INSERT = insert(Blob)
 _RANK_INSERT = insert(StepRank)
+_LEDGER_INSERT = insert(PromptFate)
 
 
 @dataclass
@@ -61,6 +64,7 @@ class _StepItem:
     outcome: str
     rerun: bool
     context: str | None  # the ExecutionContext's JSON (engine/context.py); None: not known
+    stale_drops: int = 0  # its rollouts dropped as too stale (engine/rollout/ahead.py)
     seen: Observation | None = None  # what the step did to the episodes (writer thread)
 
 
@@ -83,6 +87,7 @@ class _Staged:
     row: dict[str, Any]  # the steps row
     seen: Observation | None  # the episodes the step opened, extended or closed
     ranks: list[dict[str, Any]]  # its step_ranks rows without step_id ([]: one process)
+    ledger: list[dict[str, Any]]  # its prompts' prompt_ledger rows (forensics/ledger.py)
 
 
 _STOP = object()
@@ -112,6 +117,7 @@ class FlightRecorder:
         self.blobs = BlobStore(self.run_dir)
         self.episodes = EpisodeTracker(self.config.incident_action, self.config.episode_gap_steps)
         self.run_id: str | None = None
+        self.ledger: LedgerSpec | None = None  # None: no prompt ledger is written
         self.blocked_total = 0  # record() calls that found the queue full and waited
         self.recorded_total = 0  # steps committed by the writer
         self.incidents_total = 0  # incidents (episodes) opened by the writer
@@ -142,9 +148,18 @@ class FlightRecorder:
 
     # ----------------------------------------------------------------- trainer side
     def start_run(
-        self, run_id: str, config_json: dict[str, Any], versions: dict[str, str], device: str
+        self,
+        run_id: str,
+        config_json: dict[str, Any],
+        versions: dict[str, str],
+        device: str,
+        *,
+        ledger: LedgerSpec | None = None,
+        next_step: int | None = None,
     ) -> None:
-        """Register the run (idempotent for a resumed run id): config {engine, guards, ...}."""
+        """Register the run (idempotent for a resumed run id): config {engine, guards, ...}.
+        `ledger`: write the prompt ledger of this data stream; `next_step`: the step the run
+        starts at, whose ledger rows on are superseded (forensics/ledger.py)."""
         text = json.dumps(config_json, sort_keys=True)
         with self.store.session() as session:
             run = session.get(Run, run_id)
@@ -163,11 +178,14 @@ class FlightRecorder:
                 )
             else:
                 run.ended_at = None
+            if next_step is not None:
+                session.flush()  # the run's row before any ledger row names it
+                supersede(session, self.store.run_ids(session), next_step)
             episodes = [Episode.from_row(row) for row in self.store.open_incidents(session)]
         last = self.store.last_recorded_step()
         self.episodes.restore(episodes, -1 if last is None else last)
         self.open_incidents = len(episodes)
-        self.run_id = run_id
+        self.run_id, self.ledger = run_id, ledger
 
     def record(self, result: StepResult, *, rerun: bool = False) -> None:
         """Queue one decided step: its batch, report, verdict, outcome and execution context
@@ -178,7 +196,9 @@ class FlightRecorder:
         report = result.report.to_dict()  # a snapshot, taken on the caller's thread
         verdict = result.verdict.to_dict()
         context = None if result.context is None else result.context.as_json
-        self._put(_StepItem(result.batch, report, verdict, str(result.outcome), rerun, context))
+        drops = 0 if result.ahead is None else len(result.ahead.dropped)
+        outcome = str(result.outcome)
+        self._put(_StepItem(result.batch, report, verdict, outcome, rerun, context, drops))
 
     def note_checkpoint(self, step: int, path: str | os.PathLike) -> None:
         """A checkpoint taken with engine.step == `step` (the state before step `step`)."""
@@ -294,6 +314,10 @@ class FlightRecorder:
             self._commit()
             with self.store.session() as session:
                 session.add(Eval(run_id=self.run_id, recorded_at=_now(), **item.row))
+                if self.ledger is not None and item.row["samples"]:
+                    rows = eval_rows(item.row["step"], item.row["samples"])
+                    stamp = dict(run_id=self.run_id, recorded_at=_now())
+                    session.execute(_LEDGER_INSERT, [{**row, **stamp} for row in rows])
         else:
             self._hold(item)
 
@@ -345,7 +369,14 @@ class FlightRecorder:
         )
         keys = dict(run_id=self.run_id, step=report["step"], batch_digest=blob.digest)
         ranks = [{**keys, **columns} for columns in rank_columns(report)]
-        return _Staged(blob, row, item.seen, ranks)
+        ledger = []
+        if self.ledger is not None:
+            stamp = dict(run_id=self.run_id, recorded_at=row["recorded_at"])
+            found = step_rows(
+                self.ledger, batch, report, item.verdict, item.outcome, item.stale_drops
+            )
+            ledger = [{**prompt, **stamp} for prompt in found]
+        return _Staged(blob, row, item.seen, ranks, ledger)
 
     def _commit(self) -> None:
         """Publish the group's blobs (fsync, rename, one directory fsync), then commit its
@@ -377,6 +408,7 @@ class FlightRecorder:
                 conn.execute(_BLOB_INSERT, missing)
             plain: list[dict[str, Any]] = []  # rows that need no id: one executemany
             ranks: list[dict[str, Any]] = []  # rank rows of the group's distributed steps
+            ledger = [prompt for staged in group for prompt in staged.ledger]
             touched: dict[int, Episode] = {}  # by id(): each episode written once per group
             affected = 0
             for staged in group:
@@ -404,6 +436,8 @@ class FlightRecorder:
                 conn.execute(_STEP_INSERT, plain)
             if ranks:
                 conn.execute(_RANK_INSERT, ranks)
+            if ledger:  # the prompts' fates commit with their steps, in one executemany
+                conn.execute(_LEDGER_INSERT, ledger)
             for episode in touched.values():
                 opened += episode.incident_id is None
                 write_episode(session, self.store, self.run_id, episode)

@@ -324,6 +324,7 @@ def _incidents_export(args: argparse.Namespace) -> int:
 
 def _fsck(args: argparse.Namespace) -> int:
     from grpod.forensics import fsck
+    from grpod.forensics.ledger import coverage_line
 
     _run_dir(args)
     report = fsck(args.run_dir, args.store_url)
@@ -336,6 +337,7 @@ def _fsck(args: argparse.Namespace) -> int:
             print(f"note: {line}")
         for line in report.warnings:
             print(f"warning: {line}")
+        print(coverage_line(report.ledger))
         if report.resume and report.resume_step is not None:
             print(report.resume)
         state = "ok" if report.ok else f"{len(report.problems)} problems"

@@ -23,13 +23,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _status(args: argparse.Namespace) -> int:
     from grpod.daemon.rundir import existing_run_dir
+    from grpod.forensics.ledger import coverage_line
 
     store_url = _store_url(args.run_dir)
     run = existing_run_dir(args.run_dir, store_url)  # its store at this grpod's schema
     live = run.read_status() or {}
     if live.get("state") in ("starting", "running", "stopping") and not _alive(live.get("pid")):
         live["state"] = "dead (no process; resume with grpod run --run-dir)"
-    summary = store_summary(run.path, store_url, strict=True) or {}  # unreadable: exit 2
+    summary = store_summary(run.path, store_url, strict=True, ledger=True) or {}
     result = {"run_dir": str(run.path), "run_id": run.run_id(), **live, **summary}
     if args.json:
         print(json.dumps(result, sort_keys=True))
@@ -43,6 +44,8 @@ def _status(args: argparse.Namespace) -> int:
         f"incidents {result.get('incidents', 0)}; latest checkpoint step "
         f"{result.get('checkpoint_step')}; last verdict {result.get('last_verdict')}",
     ]
+    if result.get("ledger"):
+        lines.append(coverage_line(result["ledger"]))
     if result.get("metrics") and result.get("state") == "running":
         lines.append(f"metrics {result['metrics']}")
     print("\n".join(lines))
@@ -50,10 +53,11 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def store_summary(
-    run_dir: str | os.PathLike, store_url: str = "", *, strict: bool = False
+    run_dir: str | os.PathLike, store_url: str = "", *, strict: bool = False, ledger: bool = False
 ) -> dict[str, Any] | None:
-    """Recorded steps by outcome, re-runs, incidents, the last step; None without a store.
-    `strict`: a store that is there but unreadable is a ForensicsError, not None."""
+    """Recorded steps by outcome, re-runs, incidents, the last step (`ledger`: and the prompt
+    ledger's coverage); None without a store. `strict`: a store that is there but unreadable
+    is a ForensicsError (exit 2), not None."""
     from grpod.forensics.errors import ForensicsError
     from grpod.forensics.store import Store
 
@@ -63,6 +67,7 @@ def store_summary(
         return None
     try:
         summary = store.summary()
+        coverage = _coverage(store) if ledger else None
     except ForensicsError:
         if strict:
             raise
@@ -78,7 +83,22 @@ def store_summary(
         "last_verdict_action": summary.last_verdict_action,
         "incidents": len(summary.incident_steps),
         "incident_steps": list(summary.incident_steps),
+        "ledger": coverage,
     }
+
+
+def _coverage(store: Any) -> dict[str, Any] | None:
+    """The prompt ledger's coverage of each epoch, and how many prompts are missing or
+    duplicated (forensics/ledger.py); None when the store cannot say (an older schema)."""
+    from grpod.forensics.errors import ForensicsError
+    from grpod.forensics.ledger import check_store
+
+    try:
+        ledger = check_store(store).to_dict()
+    except ForensicsError:
+        return None
+    counts = {k: len(ledger[k]) for k in ("missing", "duplicated")}
+    return {k: ledger[k] for k in ("checked", "note", "last_step", "epochs")} | counts
 
 
 def _store_url(run_dir: str) -> str:

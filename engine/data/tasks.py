@@ -57,6 +57,11 @@ class Task:
     def prompts_for_step(self, step: int, n: int, seed: int) -> list[Prompt]:
         raise NotImplementedError
 
+    @property
+    def epoch_size(self) -> int | None:
+        """Prompts in one pass over the task (None: a generated task has no end)."""
+        return None
+
     def score(
         self,
         prompt: Prompt,
@@ -96,6 +101,10 @@ class _FixedPromptTask(Task):
 
     prompts: list[Prompt]
 
+    @property
+    def epoch_size(self) -> int | None:
+        return len(self.prompts)
+
     def prompts_for_step(self, step: int, n: int, seed: int) -> list[Prompt]:
         total = len(self.prompts)
         out: list[Prompt] = []
@@ -108,10 +117,16 @@ class _FixedPromptTask(Task):
         """The seeded permutation of one epoch, computed once (the last one is kept)."""
         key = (seed, epoch)
         if getattr(self, "_order_key", None) != key:
-            order = list(range(len(self.prompts)))
-            random.Random(seed * 1_000_003 + epoch).shuffle(order)
-            self._order_key, self._order = key, order
+            self._order_key, self._order = key, epoch_order(len(self.prompts), seed, epoch)
         return self._order
+
+
+def epoch_order(total: int, seed: int, epoch: int) -> list[int]:
+    """The task rows of a fixed prompt list in the order epoch `epoch` walks them: the data
+    stream's position `epoch * total + i` is row `epoch_order(total, seed, epoch)[i]`."""
+    order = list(range(total))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
 
 
 class ArithTask(_FixedPromptTask):

@@ -294,6 +294,23 @@ def test_sigterm_to_the_agent_checkpoints_every_rank_then_resume_and_replay(tmp_
     assert weights and all(torch.equal(t, state[n]) for n, t in weights.items())
     assert any(not torch.equal(t, initial[n]) for n, t in weights.items())  # trained weights
 
+    # the prompt ledger: every prompt of every step once, across the kill, the resumes and the
+    # change of world size; a 2-rank step's prompts name the rank that trained each
+    fsck = subprocess.run(
+        [GRPOD, "fsck", "--run-dir", str(run_dir), "--json"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    ledger = json.loads(fsck.stdout)["ledger"]
+    assert ledger["missing"] == ledger["duplicated"] == [] and ledger["last_step"] == last + 3
+    with sqlite3.connect(run_dir / "grpod.sqlite") as db:
+        ranks = db.execute(
+            "SELECT rank FROM prompt_ledger WHERE step = 0 AND NOT superseded ORDER BY prompt_id"
+        ).fetchall()
+    assert [r for (r,) in ranks] == [0, 0, 1, 1]
+
 
 def _short_campaign(
     tmp_path: Path, engine: dict, steps: int, expect: int = 0, **sections: dict
