@@ -10,9 +10,17 @@ does. From the vLLM side's engine phases: `sync` (the push into vLLM through
 probe and the comparison). The probe's cost on vLLM's side rides in the rollout's own call,
 so it is measured apart after every step, outside the step's timing: the same prompts
 sampled by `VLLMSampler.sample` with and without the probe, in alternating order; its
-median difference is `probe_vllm_ms`. The check's cost = `probe_vllm_ms + sync_check`.
+median difference is `probe_vllm_ms`. The check's cost = `probe_vllm_ms + sync_check`. That
+difference is noisy on a loaded machine, so the probe is also timed in a call of its own
+(`probe_alone_ms`, an upper bound: it pays an engine call's fixed cost, as the server's async
+launches do).
+
+`--workload W4` runs the real-model campaign (examples/smollm2-arith) instead of W1;
+`--drills` runs the vLLM sides with each weight-sync drill on its own step and prints the
+check's value on every healthy step and each drill step, and the guard's verdict.
 
     .venv-vllm/bin/python bench/vllm_rollout.py [--steps 30] [--backends torch,vllm,vllm-server]
+        [--workload W1|W4] [--skip 3] [--drills]
 
 Prints one JSON line (also appended to bench/out/results.jsonl).
 """
@@ -33,15 +41,29 @@ from common import emit, engine_config, peak_rss_mib, run_lockstep, set_threads 
 
 from grpod.engine.rollout.sampler import SamplingSettings  # noqa: E402
 
+# W1: the built-in tiny model on arith; W4: SmolLM2-135M on the example campaign
+WORKLOADS = {"W1": "arith", "W4": str(ROOT / "examples/smollm2-arith/grpod.toml")}
 
-def worker(conn, backend: str) -> None:
+
+# `--drills`: each weight-sync drill on its own step, healthy steps between them
+DRILL_STEPS = {
+    "weight_sync_skip_steps": 3,
+    "weight_sync_stale_cache_steps": 5,
+    "weight_sync_corrupt_steps": 7,
+}
+
+
+def worker(conn, backend: str, task: str, drills: bool = False, dtype: str = "") -> None:
     set_threads()
     from grpod.engine import Engine
     from grpod.engine.grpo.step import decide_step
     from grpod.engine.grpo.trainer import step_seed
     from grpod.guards import GuardPolicy
 
-    engine = Engine(engine_config("arith", rollout_backend=backend))
+    overrides = {"faults": {k: [v] for k, v in DRILL_STEPS.items()}} if drills else {}
+    if dtype:
+        overrides["dtype"] = dtype
+    engine = Engine(engine_config(task, rollout_backend=backend, **overrides))
     policy = GuardPolicy()
     engine.rollout()  # vLLM starts on the first rollout: not a step of the benchmark
     engine.take_phase_seconds()
@@ -55,6 +77,9 @@ def worker(conn, backend: str) -> None:
         if engine.vllm is not None:  # the probe's share of vLLM's call, outside the step
             phases.update(probe_cost(engine, step_seed(engine.config.seed, engine.step)))
             phases["weight_sync_diff"] = batch.weight_sync.max_abs_diff
+            phases["weight_sync_cached_tokens"] = batch.weight_sync.cached_tokens
+            phases["drill"] = ",".join(batch.injected_faults)
+            phases["verdict"] = result.verdict.action.name
         tokens = int(batch.completion_lengths.sum())
         conn.send(("step", seconds, result.report.reward_mean, tokens, phases))
     conn.send(("done", peak_rss_mib(), None))
@@ -80,7 +105,10 @@ def probe_cost(engine, seed: int) -> dict[str, float]:
         started = time.perf_counter()
         engine.vllm.sample(prompts, settings, seed=seed, probe=probe)
         times["with" if probe else "without"] = time.perf_counter() - started
-    return {"probe_vllm": times["with"] - times["without"]}
+    started = time.perf_counter()  # the probe in a call of its own: an upper bound of its cost
+    engine.vllm.sample([], settings, seed=seed, probe=engine.sampling.probe)
+    times["alone"] = time.perf_counter() - started
+    return {"probe_vllm": times["with"] - times["without"], "probe_alone": times["alone"]}
 
 
 def median(values: list[float]) -> float:
@@ -91,10 +119,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--backends", default="torch,vllm,vllm-server")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
+    parser.add_argument("--skip", type=int, default=3, help="untimed first steps per side")
+    parser.add_argument(
+        "--drills",
+        action="store_true",
+        help="the vLLM sides only, each weight-sync drill on its own step (3, 5, 7): the "
+        "check's value on every step and whether the guard stopped the drill steps",
+    )
+    parser.add_argument("--dtype", default="", help="the trainer's and vLLM's dtype (float32)")
     args = parser.parse_args()
     backends = args.backends.split(",")
-    trace = run_lockstep({b: (worker, (b,), {}) for b in backends}, args.steps)
-    skip = 3  # the first steps warm caches on both sides
+    task = WORKLOADS[args.workload]
+    if args.drills:
+        return drills(backends, task, args)
+    trace = run_lockstep(
+        {b: (worker, (b, task, False, args.dtype), {}) for b in backends}, args.steps
+    )
+    skip = args.skip  # the first steps warm caches on both sides
     out = {}
     for name, t in trace.items():
         phases = t["phases"][skip:]
@@ -114,11 +156,14 @@ def main() -> None:
         sync = median([p["sync"] for p in phases])
         trainer_check = median([p["sync_check"] for p in phases])
         probe = median([p["probe_vllm"] for p in phases])
+        alone = median([p["probe_alone"] for p in phases])
         out[name].update(
             {
                 "weight_sync_ms": round(1e3 * sync, 2),
                 "check_trainer_ms": round(1e3 * trainer_check, 2),
                 "probe_vllm_ms": round(1e3 * probe, 2),
+                "probe_alone_ms": round(1e3 * alone, 2),
+                "check_fraction_of_step_probe_alone": round((trainer_check + alone) / step, 4),
                 "weight_sync_fraction_of_step": round(sync / step, 4),
                 "check_fraction_of_step": round((trainer_check + probe) / step, 4),
                 "weight_sync_max_abs_diff_max": max(p["weight_sync_diff"] for p in phases),
@@ -136,7 +181,39 @@ def main() -> None:
         ratios["ratio_step_server_over_colocated"] = round(
             out["vllm-server"]["median_s_per_step"] / out["vllm"]["median_s_per_step"], 3
         )
-    emit({"bench": "vllm_rollout", "workload": "W1", "steps": args.steps, **out, **ratios})
+    emit({"bench": "vllm_rollout", "workload": args.workload, "steps": args.steps, **out, **ratios})
+
+
+def drills(backends: list[str], task: str, args: argparse.Namespace) -> None:
+    sides = [b for b in backends if b != "torch"]
+    steps = max(args.steps, max(DRILL_STEPS.values()) + 2)
+    trace = run_lockstep({b: (worker, (b, task, True, args.dtype), {}) for b in sides}, steps)
+    out = {}
+    for name in sides:
+        phases = trace[name]["phases"]
+        healthy = [p["weight_sync_diff"] for p in phases if not p["drill"]]
+        out[name] = {
+            "healthy_max_abs_diff_max": max(healthy),
+            "healthy_verdicts": sorted({p["verdict"] for p in phases if not p["drill"]}),
+            "drills": {
+                p["drill"]: {
+                    "max_abs_diff": p["weight_sync_diff"],  # NaN: another token, or not finite
+                    "cached_tokens": p["weight_sync_cached_tokens"],
+                    "verdict": p["verdict"],
+                }
+                for p in phases
+                if p["drill"]
+            },
+        }
+    emit(
+        {
+            "bench": "vllm_rollout_drills",
+            "workload": args.workload,
+            "dtype": args.dtype or "float32",
+            "steps": steps,
+            **out,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -252,10 +252,17 @@ class EngineConfig(BaseModel):
         "0 = on-policy (each step samples with the weights it trains)",
     )
     weight_sync_probe_tokens: int = Field(
-        256,
-        ge=16,
-        description="vllm: tokens of the probe scored by vLLM and the trainer after every "
-        "weight sync (the weight_sync guard compares them)",
+        0,
+        ge=0,
+        description="vllm: tokens of the probe vLLM continues after every weight sync, read "
+        "through its prefix cache and fresh (the weight_sync guard compares them); 0 = one of "
+        "vLLM's KV blocks and a token (129 on CPU, 17 on CUDA)",
+    )
+    weight_sync_scored_tokens: int = Field(
+        16,
+        ge=2,
+        description="vllm: of the probe, the first tokens the trainer scores against vLLM's "
+        "logprobs after every weight sync (the check's only trainer compute)",
     )
     device: str = Field(
         "cpu", pattern=r"^(cpu|cuda(:\d+)?|auto)$", description="cpu | cuda[:N] | auto"

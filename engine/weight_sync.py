@@ -1,18 +1,22 @@
 """The weight-sync check: does the sampler hold the weights the trainer just pushed?
 
 After every push of the trainer's weights into a separate sampler (vLLM), before its rollout
-is used, the sampler scores one fixed probe and the trainer scores the same tokens:
+is used, the sampler scores one fixed probe (`probe_tokens` seeded token ids, the same every
+step of a run, one KV block and a token long by default) in two requests of the rollout's
+own call, both continuing it by `CONTINUATION_TOKENS` greedy tokens:
 
-- the probe is `probe_tokens` seeded token ids (the same every step of a run), long enough
-  to span several of the sampler's KV blocks;
-- the sampler scores it twice in one call: a continuation of `CONTINUATION_TOKENS` sampled
-  tokens that reads the sampler's prefix cache (stale KV blocks computed with older weights
-  show here: an un-reset cache after a sync), then the probe's own prompt logprobs, which
-  bypass that cache (wrong weights show here);
-- the trainer computes its FP32-head logprobs of the probe and that continuation at
-  temperature 1 (`engine.model.head.sequence_logprobs`; the probe's requests sample at
-  temperature 1, top-p 1, so the sampler's processed logprobs are its raw ones), and
-  `compare` takes the largest absolute difference.
+- the *cached* request reads the sampler's prefix cache: the probe's blocks are cached from
+  the last step, so an un-reset cache after a sync serves it KV computed with older weights;
+- the *fresh* request asks for the probe's prompt logprobs, which bypass that cache.
+
+Two comparisons, the largest absolute difference of either is the check:
+
+- **the cache**: the cached continuation against the fresh one, token by token (the sampler
+  against itself: no trainer compute). A different greedy token is a failed check;
+- **the weights**: the trainer's FP32-head logprobs of the probe's first `scored_tokens`
+  tokens (`engine.model.head.sequence_logprobs`, temperature 1) against the fresh request's
+  prompt logprobs. A few tokens suffice: a skipped, partial or corrupt push moves every
+  position's logits, and the trainer's forward is the check's only compute on the trainer.
 
 The result, a `WeightSyncCheck`, travels with the step's batch (the guard `weight_sync`
 reads it before any compute, and replay sees the same numbers without a sampler).
@@ -28,7 +32,7 @@ import torch
 
 from grpod.engine.errors import EngineError
 
-CONTINUATION_TOKENS = 8  # sampled after the probe, through the sampler's prefix cache
+CONTINUATION_TOKENS = 8  # greedy tokens after the probe, cached and fresh
 PROBE_SEED = 0x5EED
 
 
@@ -39,7 +43,7 @@ class WeightSyncCheck:
     version: int  # the trainer's weight version pushed (its applied updates)
     max_abs_diff: float  # nats over every compared token; NaN when a logprob is not finite
     position: int  # where in the probe (+ continuation) the largest difference is
-    tokens: int  # tokens compared (probe tokens after the first, and the continuation)
+    tokens: int  # tokens compared (scored probe tokens after the first, and the continuation)
     cached_tokens: int  # probe tokens the continuation read from the sampler's prefix cache
     dtype: str  # the trainer's compute dtype (the guard's threshold depends on it)
 
@@ -73,12 +77,14 @@ class PushFaults:
 
 @dataclass(frozen=True)
 class ProbeScores:
-    """What the sampler said about the probe: the continuation it sampled and the logprobs."""
+    """What the sampler said about the probe: its two greedy continuations and logprobs."""
 
-    continuation: list[int]  # the sampled continuation's ids
-    prompt_logprobs: list[float]  # of probe tokens 1.. (token 0 has none)
-    continuation_logprobs: list[float]  # of each continuation token
-    cached_tokens: int  # probe tokens the continuation request read from the prefix cache
+    continuation: list[int]  # the cached request's continuation ids
+    prompt_logprobs: list[float]  # the fresh request's, of probe tokens 1.. (token 0 has none)
+    continuation_logprobs: list[float]  # the cached request's, of each continuation token
+    cached_tokens: int  # probe tokens the cached request read from the prefix cache
+    fresh_continuation: list[int]  # the fresh request's continuation ids
+    fresh_logprobs: list[float]  # the fresh request's, of each of its continuation tokens
 
 
 def probe_sequence(length: int, vocab_size: int, low: int = 0) -> list[int]:
@@ -98,29 +104,52 @@ def compare(
     version: int,
     dtype: str,
 ) -> WeightSyncCheck:
-    """The check from the sampler's `scores` and the trainer's logprobs of `probe +
-    scores.continuation` (`engine.model.head.sequence_logprobs`): position p is token p of
-    that sequence."""
-    sampler = torch.tensor(
-        scores.prompt_logprobs + scores.continuation_logprobs, dtype=torch.float32
-    )
-    if sampler.shape != trainer.shape:
+    """The check from the sampler's `scores` and the trainer's logprobs of the probe's first
+    `len(trainer) + 1` tokens (`engine.model.head.sequence_logprobs`). Position p is token p
+    of the probe, then of the continuation after it."""
+    scored = trainer.numel()
+    if scored > len(scores.prompt_logprobs) or len(scores.prompt_logprobs) != len(probe) - 1:
         raise EngineError(
-            f"weight sync probe: the sampler scored {sampler.numel()} tokens, "
-            f"the trainer {trainer.numel()}"
+            f"weight sync probe: the sampler scored {len(scores.prompt_logprobs)} of "
+            f"{len(probe)} probe tokens, the trainer {scored}"
         )
-    diff = (sampler.double() - trainer.double()).abs()
+    sampler = torch.tensor(scores.prompt_logprobs[:scored], dtype=torch.float64)
+    weights = (sampler - trainer.double()).abs()
+    cache = _cache_diff(scores)
+    diff = torch.cat([weights, cache])
     finite = torch.isfinite(diff)
-    if not bool(finite.all()):  # a NaN or inf logprob on either side: never a pass
+    if not bool(finite.all()):  # NaN or inf on either side, or other tokens: never a pass
         worst, value = int((~finite).nonzero()[0]), math.nan
     else:
         worst = int(diff.argmax())
         value = float(diff[worst])
+    # the continuation's positions come after the whole probe's
+    position = worst + 1 if worst < scored else len(probe) + worst - scored
     return WeightSyncCheck(
         version=version,
         max_abs_diff=value,
-        position=worst + 1,
+        position=position,
         tokens=int(diff.numel()),
         cached_tokens=scores.cached_tokens,
         dtype=dtype,
     )
+
+
+def _cache_diff(scores: ProbeScores) -> torch.Tensor:
+    """|cached - fresh| logprob per continuation token; NaN from the first token where the
+    two greedy continuations differ (their logits differ there: a failed check)."""
+    cached, fresh = scores.continuation, scores.fresh_continuation
+    n = len(cached)
+    if len(fresh) != n or len(scores.continuation_logprobs) != n or len(scores.fresh_logprobs) != n:
+        raise EngineError(
+            f"weight sync probe: continuations of {n} and {len(fresh)} tokens "
+            f"({len(scores.continuation_logprobs)} and {len(scores.fresh_logprobs)} logprobs)"
+        )
+    diff = (
+        torch.tensor(scores.continuation_logprobs, dtype=torch.float64)
+        - torch.tensor(scores.fresh_logprobs, dtype=torch.float64)
+    ).abs()
+    differs = [t for t in range(n) if cached[t] != fresh[t]]
+    if differs:
+        diff[differs[0] :] = math.nan
+    return diff

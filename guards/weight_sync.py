@@ -34,8 +34,8 @@ class WeightSyncGuard(Guard):
             return batch, []
         finding = self.finding(
             f"weight sync: the sampler disagrees with the trainer (max |Δ| "
-            f"{check.max_abs_diff:.3g} nats at token {check.position} of the "
-            f"{check.tokens + 1}-token probe, weight version {check.version}; limit {limit:g})",
+            f"{check.max_abs_diff:.3g} nats at token {check.position} of the probe, "
+            f"{check.tokens} tokens compared, weight version {check.version}; limit {limit:g})",
             max_abs_logprob_diff=check.max_abs_diff,
             position=float(check.position),
             weight_version=float(check.version),

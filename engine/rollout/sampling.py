@@ -342,7 +342,7 @@ class Sampling:
         with self.clock.timed("sync_check"):
             trainer = sequence_logprobs(
                 self.rollout_model,
-                self.probe + scores.continuation,
+                self.probe[: self.config.weight_sync_scored_tokens],
                 self.config.dtype,
                 self.device,
             )

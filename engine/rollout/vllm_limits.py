@@ -28,13 +28,24 @@ BLOCK_TOKENS = {"cpu": 128, "cuda": 16}  # vLLM's default KV block size per plat
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 
 
-def served_lengths(config: EngineConfig, positions: int | None) -> tuple[int, int]:
+def served_lengths(config: EngineConfig, positions: int | None, platform: str) -> tuple[int, int]:
     """(the weight-sync probe's tokens, vLLM's max_model_len) for a model of `positions`
-    positions (None: the built-in tiny model, whose rotary positions grow to fit)."""
-    probe = config.weight_sync_probe_tokens
+    positions (None: the built-in tiny model, whose rotary positions grow to fit) served on
+    `platform` ("cuda" or "cpu")."""
+    probe = config.weight_sync_probe_tokens or probe_length(config, platform)
     if positions is not None:  # the probe fits the model's positions
         probe = min(probe, positions - CONTINUATION_TOKENS)
     return probe, max(config.seq_len, probe + CONTINUATION_TOKENS)
+
+
+def probe_length(config: EngineConfig, platform: str) -> int:
+    """The default probe: one of vLLM's KV blocks and a token, so that the cached request of
+    the next sync reads one whole block from the prefix cache (vLLM caches whole blocks and
+    computes a prompt's last token again), and at least `weight_sync_scored_tokens`."""
+    server = config.rollout_backend == "vllm-server"
+    given = server_settings(config.vllm_server_args) if server else {}
+    block = given.get("--block-size") or BLOCK_TOKENS.get(platform, BLOCK_TOKENS["cpu"])
+    return max(block + 1, config.weight_sync_scored_tokens)
 
 
 def check_vllm_limits(config: EngineConfig, text_config: Any | None, platform: str) -> None:
@@ -52,7 +63,7 @@ def check_vllm_limits(config: EngineConfig, text_config: Any | None, platform: s
     server = config.rollout_backend == "vllm-server"
     given = server_settings(config.vllm_server_args) if server else {}
     positions = getattr(text_config, "max_position_embeddings", None) if text_config else None
-    probe, max_model_len = served_lengths(config, positions)
+    probe, max_model_len = served_lengths(config, positions, platform)
     lengths = f"seq_len {config.seq_len}, the weight-sync probe {probe} + {CONTINUATION_TOKENS}"
     if "--max-model-len" in given:
         if given["--max-model-len"] < max_model_len:

@@ -14,7 +14,7 @@ from grpod.guards.verdict import Action
 from tests.guards.helpers import batch
 
 CHECK = WeightSyncCheck(
-    version=4, max_abs_diff=5e-7, position=9, tokens=263, cached_tokens=0, dtype="float32"
+    version=4, max_abs_diff=5e-7, position=9, tokens=23, cached_tokens=0, dtype="float32"
 )
 
 
@@ -37,7 +37,9 @@ def test_a_disagreeing_sampler_skips_the_step_and_halts(diff: float) -> None:
     assert finding.message.startswith(
         "weight sync: the sampler disagrees with the trainer (max |Δ| "
     )
-    assert "at token 257 of the 264-token probe, weight version 4; limit 0.001" in finding.message
+    assert "at token 257 of the probe, 23 tokens compared, weight version 4; limit 0.001" in (
+        finding.message
+    )
     assert finding.evidence["cached_tokens"] == 128 and finding.evidence["threshold"] == 1e-3
 
 

@@ -62,7 +62,7 @@ def test_a_colocated_campaign_samples_from_the_policy_being_trained(tmp_path: Pa
         check = batch.weight_sync
         assert batch.weight_version == step and check is not None and check.version == step
         assert check.max_abs_diff <= FLOAT32_LIMIT, check
-        assert check.tokens == 255 + 4  # the probe after its first token, 4 continued
+        assert check.tokens == 15 + 4  # 16 scored probe tokens after the first, 4 continued
         if step == 1:
             engine.save_checkpoint(tmp_path / "before-1")
             batch.save(tmp_path / "batch-1.safetensors")

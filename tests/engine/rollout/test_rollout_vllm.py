@@ -59,24 +59,40 @@ def test_vllm_logprobs_are_kept_as_vllm_gave_them_nan_and_inf_included() -> None
         to_rollout([([5], None)], max_new_tokens=2, pad_token_id=0)
 
 
-def scores(prompt: list[float], continued: list[float]) -> ProbeScores:
-    return ProbeScores([4] * len(continued), prompt, continued, cached_tokens=0)
+def scores(
+    prompt: list[float],
+    cached: list[float],
+    fresh: list[float] | None = None,
+    *,
+    ids: list[int] | None = None,
+    fresh_ids: list[int] | None = None,
+) -> ProbeScores:
+    """The sampler's probe scores: prompt logprobs, its cached and fresh continuations."""
+    ids = [4] * len(cached) if ids is None else ids
+    fresh_ids = ids if fresh_ids is None else fresh_ids
+    return ProbeScores(ids, prompt, cached, 0, fresh_ids, cached if fresh is None else fresh)
 
 
 def test_the_check_takes_the_largest_difference_and_never_passes_a_nan() -> None:
     probe = [1, 2, 3, 4]
-    trainer = torch.tensor([-1.0, -2.0, -3.0, -0.5, -0.25])
-    check = compare(
-        probe, scores([-1.0, -2.0, -3.0], [-0.5, -0.75]), trainer, version=3, dtype="float32"
-    )
-    assert check.max_abs_diff == pytest.approx(0.5) and check.position == 5  # the continuation
-    assert (check.tokens, check.version, check.dtype) == (5, 3, "float32")
-    check = compare(
-        probe, scores([-1.0, math.nan, -3.0], [-0.5, -0.25]), trainer, version=3, dtype="float32"
-    )
+    trainer = torch.tensor([-1.0, -2.25])  # the first 3 probe tokens scored by the trainer
+    cont = [-0.5, -0.75]
+    check = compare(probe, scores([-1.0, -2.0, -3.0], cont), trainer, version=3, dtype="float32")
+    assert check.max_abs_diff == pytest.approx(0.25) and check.position == 2  # the weights
+    assert (check.tokens, check.version, check.dtype) == (4, 3, "float32")
+    # the cached continuation against the fresh one: the prefix cache
+    stale = scores([-1.0, -2.25, -3.0], cont, [-0.5, -0.25])
+    check = compare(probe, stale, trainer, version=3, dtype="float32")
+    assert check.max_abs_diff == pytest.approx(0.5) and check.position == 5  # continuation 1
+    # another greedy token: the logits differ there, never a pass
+    other = scores([-1.0, -2.25, -3.0], cont, ids=[4, 5], fresh_ids=[4, 6])
+    check = compare(probe, other, trainer, version=3, dtype="float32")
+    assert math.isnan(check.max_abs_diff) and check.position == 5
+    nan = scores([-1.0, math.nan, -3.0], cont)
+    check = compare(probe, nan, trainer, version=3, dtype="float32")
     assert math.isnan(check.max_abs_diff) and check.position == 2
-    with pytest.raises(EngineError, match="the sampler scored 4 tokens, the trainer 5"):
-        compare(probe, scores([-1.0, -2.0, -3.0], [-0.5]), trainer, version=3, dtype="float32")
+    with pytest.raises(EngineError, match="the sampler scored 2 of 4 probe tokens, the trainer 2"):
+        compare(probe, scores([-1.0, -2.0], cont), trainer, version=3, dtype="float32")
 
 
 def test_the_probe_is_fixed_and_spans_the_vocabulary() -> None:
