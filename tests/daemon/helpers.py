@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from grpod.guards.drills import W2_GEOMETRY
+
 GRPOD = str(Path(sys.executable).with_name("grpod"))
 
 TINY_ENGINE = {
@@ -31,10 +33,7 @@ TINY_ENGINE = {
 # W2 (long prompts, 256-token rows in 4 sequence chunks), one row per micro: the torchrun
 # tests' and benches' engine (bench/common.py `W2_ENGINE`)
 W2_ENGINE = {
-    "task": "kv-retrieval",
-    "seq_len": 256,
-    "sequence_chunks": 4,
-    "lmhead_chunks": 4,
+    **W2_GEOMETRY,
     "prompts_per_step": 4,
     "group_size": 4,
     "micro_batch_rows": 1,

@@ -9,18 +9,10 @@ import torch
 from grpod.engine import EngineConfig, TransportBatch
 from grpod.engine.data.packing import Sample, pack
 from grpod.engine.model.policy import seeded
+from grpod.guards.drills import W2_GEOMETRY
 
 TINY = dict(prompts_per_step=4, group_size=4, task="copy", micro_batch_rows=2, seq_len=32)
-W2 = dict(
-    task="kv-retrieval",
-    seq_len=256,
-    sequence_chunks=4,
-    lmhead_chunks=4,
-    prompts_per_step=4,
-    group_size=2,
-    micro_batch_rows=1,
-    max_new_tokens=2,
-)
+W2 = dict(W2_GEOMETRY, prompts_per_step=4, group_size=2, micro_batch_rows=1, max_new_tokens=2)
 
 
 # the GPU node check (bench/gpu_check.py) runs the engine tests with GRPOD_TEST_DEVICE=cuda
