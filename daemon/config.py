@@ -11,10 +11,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from grpod.daemon.errors import ConfigError
-from grpod.engine.config import EngineConfig
+from grpod.engine.config import ConfigSection, EngineConfig
 from grpod.forensics.config import ForensicsConfig
 from grpod.guards import GuardsConfig
 
@@ -29,10 +29,8 @@ except ModuleNotFoundError:  # python 3.10
 DEFAULT_ROOT = Path("var/grpod")  # the embedded default: ./var/grpod/<run-id>, ./var/grpod/latest
 
 
-class DaemonConfig(BaseModel):
+class DaemonConfig(ConfigSection):
     """The service around the engine: the loop, checkpoints, metrics, health, logs."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     run_dir: str = Field(
         "", description="run directory; '' = ./var/grpod/<run-id> with ./var/grpod/latest"
@@ -66,10 +64,8 @@ class DaemonConfig(BaseModel):
     )
 
 
-class GrpodConfig(BaseModel):
+class GrpodConfig(ConfigSection):
     """The whole grpod.toml. The embedded default trains the tiny model on `copy`."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     engine: EngineConfig = Field(default_factory=lambda: EngineConfig(task="copy"))
     guards: GuardsConfig = Field(default_factory=GuardsConfig)

@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 import os
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -15,50 +15,49 @@ from grpod.engine.errors import EngineError
 from grpod.engine.kvcache import KVCacheSpec, default_sinks
 
 
-class FaultsConfig(BaseModel):
-    """Drill faults (`[engine.faults]`): each list names the steps it corrupts; empty = off."""
+class ConfigSection(BaseModel):
+    """A section of grpod.toml (or of one): unknown keys refused, frozen, types strict (a
+    string is not coerced to a number). Every package's config section is one."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def drill_steps(description: str) -> Any:
+    """A drill's field: the steps it corrupts (empty: off), `description` saying how."""
+    return Field(default_factory=list, description=description)
+
+
+class FaultsConfig(ConfigSection):
+    """Drill faults (`[engine.faults]`): each list names the steps it corrupts; empty = off."""
 
     accounting: Literal["none", "last_micro_first_chunk"] = Field(
         "none",
         description="last_micro_first_chunk: a per-chunk counter, chunks in reverse (every "
         "step reads chunk 0 of its last micro)",
     )
-    nan_loss_steps: list[int] = Field(default_factory=list, description="micro 0's loss is NaN")
-    inf_grad_steps: list[int] = Field(
-        default_factory=list, description="one gradient element is inf"
-    )
-    sentinel_logprob_steps: list[int] = Field(
-        default_factory=list, description="one sampler logprob is -9999"
-    )
-    equal_reward_steps: list[int] = Field(
-        default_factory=list, description="every group's rewards equal its first"
-    )
-    loss_spike_steps: list[int] = Field(
-        default_factory=list, description="advantages scaled by 1000"
-    )
+    nan_loss_steps: list[int] = drill_steps("micro 0's loss is NaN")
+    inf_grad_steps: list[int] = drill_steps("one gradient element is inf")
+    sentinel_logprob_steps: list[int] = drill_steps("one sampler logprob is -9999")
+    equal_reward_steps: list[int] = drill_steps("every group's rewards equal its first")
+    loss_spike_steps: list[int] = drill_steps("advantages scaled by 1000")
     # rollout_backend = "vllm": the push of the trainer's weights into the sampler
-    weight_sync_skip_steps: list[int] = Field(
-        default_factory=list, description="vllm: nothing pushed before the step's rollout"
+    weight_sync_skip_steps: list[int] = drill_steps(
+        "vllm: nothing pushed before the step's rollout"
     )
-    weight_sync_stale_cache_steps: list[int] = Field(
-        default_factory=list, description="vllm: pushed, but the prefix cache is not reset"
+    weight_sync_stale_cache_steps: list[int] = drill_steps(
+        "vllm: pushed, but the prefix cache is not reset"
     )
-    weight_sync_corrupt_steps: list[int] = Field(
-        default_factory=list,
-        description="vllm: the push's last untied matrix arrives shifted by one element",
+    weight_sync_corrupt_steps: list[int] = drill_steps(
+        "vllm: the push's last untied matrix arrives shifted by one element"
     )
-    stale_rollout_steps: list[int] = Field(
-        default_factory=list,
-        description="max_staleness > 0: the step's rollout is sampled one step earlier than "
+    stale_rollout_steps: list[int] = drill_steps(
+        "max_staleness > 0: the step's rollout is sampled one step earlier than "
         "its bound allows (a sampler that ran ahead): it arrives too old and must be dropped "
-        "(under torchrun on every rank, whatever `ranks` says: launches are collective)",
+        "(under torchrun on every rank, whatever `ranks` says: launches are collective)"
     )
     # one sample of a step poisoned: what `grpod replay --by-sample` must rank first
-    poison_sample_steps: list[int] = Field(
-        default_factory=list,
-        description="one sample of the step is poisoned (poison_sample_index, _kind)",
+    poison_sample_steps: list[int] = drill_steps(
+        "one sample of the step is poisoned (poison_sample_index, _kind)"
     )
     poison_sample_index: int = Field(
         0, ge=0, description="the poisoned sample's position in the step's batch (its sample id)"
@@ -101,10 +100,8 @@ class FaultsConfig(BaseModel):
         )
 
 
-class LoraConfig(BaseModel):
+class LoraConfig(ConfigSection):
     """LoRA adapters with PEFT (the `lora` extra): only they train, in FP32; rank 0 = off."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     rank: int = Field(0, ge=0, description="adapter rank; 0 = off (full fine-tuning)")
     alpha: float = Field(16.0, gt=0.0, description="scaling: the update is alpha / rank * B A")
@@ -119,10 +116,8 @@ class LoraConfig(BaseModel):
     )  # fmt: skip
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(ConfigSection):
     """Every knob of a GRPO step. Defaults are the embedded W1 setting."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     # model and task
     model: str = Field("tiny-qwen2", description="'tiny-qwen2' or a local model directory")

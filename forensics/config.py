@@ -5,16 +5,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
+from grpod.engine.config import ConfigSection
 from grpod.engine.verdict import ACTION_NAMES, ActionName
 from grpod.forensics.errors import ForensicsError
 
 
-class ForensicsConfig(BaseModel):
+class ForensicsConfig(ConfigSection):
     """Where steps are recorded, when an incident opens, and how much history is kept."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     store_url: str = Field(
         "",

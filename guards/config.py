@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from grpod.engine.config import ConfigSection
 from grpod.guards.errors import GuardsError
 from grpod.guards.verdict import ActionName
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+class _Section(ConfigSection):
+    """A guard's section: it can be turned off."""
 
     enabled: bool = True
 
@@ -286,10 +287,8 @@ def as_config(config: GuardsConfig | dict | None) -> GuardsConfig:
         raise GuardsError(f"guards config {where}: {first['msg']}") from None
 
 
-class GuardsConfig(BaseModel):
+class GuardsConfig(ConfigSection):
     """Every guard's section, plus the policy's escalation and distributed settings."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     halt_after_consecutive_flushes: int = Field(
         5, ge=0, description="this many flushed steps in a row become a HALT; 0 = never"
