@@ -32,6 +32,18 @@ TINY_ENGINE = {
 }
 # W2 (long prompts, 256-token rows in 4 sequence chunks), one row per micro: the torchrun
 # tests' and benches' engine (bench/common.py `W2_ENGINE`)
+# W1c's copy task through a vLLM server (truncated importance sampling on): the server
+# campaigns' engine (tests/vllm/test_server*.py, bench/server_torchrun.py), which add their
+# new-token budget and staleness
+SERVER_ENGINE = {
+    "rollout_backend": "vllm-server",
+    "task": "copy",
+    "prompts_per_step": 4,
+    "group_size": 4,
+    "seq_len": 64,
+    "threads": 1,
+    "tis_cap": 2.0,
+}
 W2_ENGINE = {
     **W2_GEOMETRY,
     "prompts_per_step": 4,

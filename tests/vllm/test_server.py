@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from grpod.engine.rollout.vllm_server import group_alive
-from tests.daemon.helpers import Grpod, cli, write_config
+from tests.daemon.helpers import SERVER_ENGINE, Grpod, cli, write_config
 
 MAIN_GRPOD = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "grpod"
 DRILL = 2  # the push before this step's rollout corrupts one matrix
@@ -33,16 +33,10 @@ def campaign(work: Path, drill: int = DRILL) -> None:
         work / "grpod.toml",
         {
             "engine": {
-                "rollout_backend": "vllm-server",
-                "task": "copy",
-                "prompts_per_step": 4,
-                "group_size": 4,
+                **SERVER_ENGINE,
                 "max_new_tokens": 4,
-                "seq_len": 64,
                 "weight_sync_probe_tokens": 128,
-                "threads": 1,
                 "max_staleness": 1,
-                "tis_cap": 2.0,
                 "faults": {"weight_sync_corrupt_steps": [drill]},
             },
             "daemon": {
@@ -55,6 +49,18 @@ def campaign(work: Path, drill: int = DRILL) -> None:
             "guards.weight_sync": {"action": "FLUSH"},  # go on after the drill
         },
     )
+
+
+def check_records(work: Path, failed_step: int, drill: int = DRILL) -> None:
+    """The campaign's store: an incident for the drill's step and one for the failed step
+    (the killed server's), and nothing half-written."""
+    listed = cli("incidents", "list", "--run-dir", "run", "--json", cwd=work)
+    assert listed.returncode == 0, listed.stderr
+    incidents = {i["guard"]: i for i in json.loads(listed.stdout)}
+    assert incidents["rollout"]["step"] == failed_step, incidents
+    assert incidents["weight_sync"]["step"] == drill, incidents
+    checked = cli("fsck", "--run-dir", "run", cwd=work)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 def server_pid(run: Grpod) -> int:
@@ -99,14 +105,7 @@ def test_a_server_campaign_survives_a_killed_server_sigterm_and_replays(tmp_path
     assert "(the server exited with status -9" in lines[0], lines
     assert first.event("stopping")["exit_code"] == 1
     assert not group_alive(killed[0]), "the killed server's engine or workers outlived it"
-
-    listed = cli("incidents", "list", "--run-dir", "run", "--json", cwd=work)
-    assert listed.returncode == 0, listed.stderr
-    incidents = {i["guard"]: i for i in json.loads(listed.stdout)}
-    assert incidents["rollout"]["step"] == failed_step, incidents
-    assert incidents["weight_sync"]["step"] == DRILL, incidents
-    checked = cli("fsck", "--run-dir", "run", cwd=work)
-    assert checked.returncode == 0, checked.stdout + checked.stderr  # nothing half-written
+    check_records(work, failed_step)
 
     def stop_after_the_rerun(event: dict[str, Any]) -> None:
         if event["event"] == "step" and event["step"] == failed_step + 1:

@@ -24,8 +24,7 @@ from typing import Any
 import pytest
 
 from grpod.engine.rollout.vllm_server import group_alive
-from tests.daemon.helpers import cli
-from tests.vllm.test_server import campaign
+from tests.vllm.test_server import campaign, check_records
 
 pytestmark = pytest.mark.slow
 
@@ -149,13 +148,7 @@ def test_one_server_serves_both_ranks_through_a_drill_a_killed_server_and_a_resu
     stopping = first.by_rank("stopping")
     assert [stopping[r][-1]["exit_code"] for r in (0, 1)] == [1, 1], first.tail()
     assert not group_alive(servers[0]), "the killed server's engine or workers outlived it"
-    listed = cli("incidents", "list", "--run-dir", "run", "--json", cwd=work)
-    assert listed.returncode == 0, listed.stderr
-    incidents = {i["guard"]: i for i in json.loads(listed.stdout)}
-    assert incidents["rollout"]["step"] == failed_step, incidents
-    assert incidents["weight_sync"]["step"] == DRILL, incidents
-    checked = cli("fsck", "--run-dir", "run", cwd=work)
-    assert checked.returncode == 0, checked.stdout + checked.stderr  # nothing half-written
+    check_records(work, failed_step, DRILL)
 
     second = Agent(args, work)
     assert second.wait(timeout=1500) == 0, second.tail()
