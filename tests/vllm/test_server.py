@@ -63,6 +63,18 @@ def check_records(work: Path, failed_step: int, drill: int = DRILL) -> None:
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
+def replay_without_vllm(work: Path, step: int, *args: str) -> dict[str, Any]:
+    """The result of `grpod replay` of `step` (`args`: more options) by the main environment,
+    which has no vLLM: a server-sampled step replays from its batch alone."""
+    assert MAIN_GRPOD.is_file(), "make test-vllm builds .venv first"
+    replay = ["replay", "--run-dir", "run", "--step", str(step), *args, "--json"]
+    done = subprocess.run(
+        [str(MAIN_GRPOD), *replay], cwd=work, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 def server_pid(run: Grpod) -> int:
     event = run.event("rollout server")
     assert event["started"] is True and event["url"].startswith("unix:/"), event
@@ -123,15 +135,6 @@ def test_a_server_campaign_survives_a_killed_server_sigterm_and_replays(tmp_path
     assert [rerun[s]["staleness"] for s in (failed_step, failed_step + 1)] == [0, 1], rerun
     assert not group_alive(server_pid(second)), "the server's process group outlived the daemon"
 
-    assert MAIN_GRPOD.is_file(), "make test-vllm builds .venv first"
     async_step = failed_step + 1  # sampled a version behind the policy that trained on it
-    done = subprocess.run(  # an environment without vLLM replays a server-sampled step
-        [str(MAIN_GRPOD), "replay", "--run-dir", "run", "--step", str(async_step), "--json"],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+    result = replay_without_vllm(work, async_step)
     assert result["reproduced"] is True and result["step"] == async_step, result

@@ -24,12 +24,11 @@ from typing import Any
 import pytest
 
 from grpod.engine.rollout.vllm_server import group_alive
-from tests.vllm.test_server import campaign, check_records
+from tests.vllm.test_server import campaign, check_records, replay_without_vllm
 
 pytestmark = pytest.mark.slow
 
 GRPOD = str(Path(sys.executable).with_name("grpod"))
-MAIN_GRPOD = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "grpod"
 DRILL = 1  # the push before this step's rollout corrupts one matrix
 KILL_AFTER = 3  # the server is SIGKILLed once both ranks have logged this step
 MAX_STEPS = 7
@@ -164,7 +163,6 @@ def test_one_server_serves_both_ranks_through_a_drill_a_killed_server_and_a_resu
     (server,) = second.by_rank("rollout server")[0]
     assert not group_alive(int(server["pid"])), "the server's process group outlived the job"
 
-    assert MAIN_GRPOD.is_file(), "make test-vllm builds .venv first"
     # an async step (sampled a version behind the policy that trained on it) with its own
     # checkpoint: `--rank R` is bit-exact only with no other step replayed before it (else
     # "within 1e-6", by design). Which steps those are depends on where the kill landed.
@@ -175,14 +173,5 @@ def test_one_server_serves_both_ranks_through_a_drill_a_killed_server_and_a_resu
     )
     assert all(rerun[r][async_step]["staleness"] == 1 for r in (0, 1)), rerun
     for rank in (0, 1):  # each rank's part alone, in one process without vLLM
-        replay = ["replay", "--run-dir", "run", "--step", str(async_step), "--rank", str(rank)]
-        done = subprocess.run(
-            [str(MAIN_GRPOD), *replay, "--json"],
-            cwd=work,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, done.stderr
-        result = json.loads(done.stdout)
+        result = replay_without_vllm(work, async_step, "--rank", str(rank))
         assert result["reproduced"] is True and result["step"] == async_step, result
