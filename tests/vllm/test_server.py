@@ -51,6 +51,23 @@ def campaign(work: Path, drill: int = DRILL) -> None:
     )
 
 
+def check_steps(steps: dict[int, dict[str, Any]], failed_step: int, drill: int = DRILL) -> None:
+    """A rank's step events up to the killed server's step: the drill's step skipped by the
+    weight-sync check, the failed step by the rollout guard, every other one trained after a
+    clean sync and at most a version stale; steps 0 and 1 both sampled at version 0."""
+    at_drill = steps[drill]
+    assert at_drill["outcome"] == "skipped", at_drill
+    assert [f["guard"] for f in at_drill["findings"]] == ["weight_sync"], at_drill
+    assert not float(at_drill["weight_sync_max_abs_logprob_diff"]) <= 1e-3, at_drill
+    assert steps[failed_step]["outcome"] == "skipped", steps[failed_step]
+    assert [f["guard"] for f in steps[failed_step]["findings"]] == ["rollout"]
+    trained = [s for s, e in steps.items() if e["outcome"] == "applied"]
+    assert trained == [s for s in range(failed_step) if s != drill], steps
+    assert all(steps[s]["weight_sync_max_abs_logprob_diff"] <= 1e-4 for s in trained)
+    assert all(steps[s]["staleness"] <= 1 for s in trained), steps
+    assert [steps[s]["staleness"] for s in (0, 1)] == [0, 1]
+
+
 def check_records(work: Path, failed_step: int, drill: int = DRILL) -> None:
     """The campaign's store: an incident for the drill's step and one for the failed step
     (the killed server's), and nothing half-written."""
@@ -100,18 +117,9 @@ def test_a_server_campaign_survives_a_killed_server_sigterm_and_replays(tmp_path
     assert first.wait(timeout=1200) == 1, first.stderr[-3000:]
     steps = {e["step"]: e for e in first.steps()}
     assert steps[0]["weight_sync_max_abs_logprob_diff"] <= 1e-4, steps[0]
-    drill = steps[DRILL]
-    assert drill["outcome"] == "skipped", drill
-    assert [f["guard"] for f in drill["findings"]] == ["weight_sync"], drill
-    assert not float(drill["weight_sync_max_abs_logprob_diff"]) <= 1e-3, drill
     failed_step = max(steps)
-    assert failed_step > DRILL + 1 and steps[failed_step]["outcome"] == "skipped", steps
-    assert [f["guard"] for f in steps[failed_step]["findings"]] == ["rollout"]
-    trained = [s for s, e in steps.items() if e["outcome"] == "applied"]
-    assert trained == [s for s in range(failed_step) if s != DRILL], steps
-    assert all(steps[s]["weight_sync_max_abs_logprob_diff"] <= 1e-4 for s in trained)
-    assert all(steps[s]["staleness"] <= 1 for s in trained), steps
-    assert [steps[s]["staleness"] for s in (0, 1)] == [0, 1]  # both launched at version 0
+    assert failed_step > DRILL + 1, steps
+    check_steps(steps, failed_step)
     lines = [line for line in first.stderr.splitlines() if line.startswith("grpod run:")]
     assert len(lines) == 1 and f"step {failed_step}: rollout server unix:/" in lines[0]
     assert "(the server exited with status -9" in lines[0], lines
