@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, ValidationError
 
 from grpod.daemon.errors import ConfigError
-from grpod.engine.config import ConfigSection, EngineConfig
+from grpod.engine.config import ConfigSection, EngineConfig, NonNegative, Positive
 from grpod.forensics.config import ForensicsConfig
 from grpod.guards import GuardsConfig
 
@@ -37,17 +37,17 @@ class DaemonConfig(ConfigSection):
     )
     max_steps: int = Field(0, ge=0, description="stop when the run reaches this step; 0 = never")
     checkpoint_every: int = Field(10, ge=1, description="checkpoint every K steps")
-    checkpoint_timeout_seconds: float = Field(
-        600.0, gt=0, description="EXTEND_TIMEOUT_USEC sent to systemd while checkpointing"
+    checkpoint_timeout_seconds: Positive = Field(
+        600.0, description="EXTEND_TIMEOUT_USEC sent to systemd while checkpointing"
     )
     metrics: bool = Field(True, description="serve /metrics and /healthz")
     metrics_host: str = Field("127.0.0.1", description="bind address of /metrics and /healthz")
     metrics_port: int = Field(9464, ge=0, le=65535, description="0 = any free port (logged)")
-    health_max_step_age_seconds: float = Field(
-        600.0, gt=0, description="/healthz turns 503 when the last step is older than this"
+    health_max_step_age_seconds: Positive = Field(
+        600.0, description="/healthz turns 503 when the last step is older than this"
     )
-    linger_seconds: float = Field(
-        0.0, ge=0, description="keep /metrics up (with /healthz 503) this long after the loop"
+    linger_seconds: NonNegative = Field(
+        0.0, description="keep /metrics up (with /healthz 503) this long after the loop"
     )
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto = console on a TTY, JSON lines otherwise"
