@@ -26,8 +26,8 @@ from typing import Any
 from grpod.engine.config import EngineConfig
 from grpod.engine.verdict import Action
 from grpod.guards.config import GuardsConfig
-from grpod.guards.drills import W1C
 from grpod.guards.trend import evidence_lines
+from grpod.guards.workloads import W1C
 
 AUDIT_EXACT = "grpod.engine.data.tasks:exact_match_reward"  # the strict verifier
 AUDIT_FIRST_TOKEN = "grpod.engine.data.tasks:first_token_reward"  # W1c's own goal

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from grpod.guards.drills import W2_GEOMETRY
+from grpod.guards.workloads import W2_GEOMETRY
 
 GRPOD = str(Path(sys.executable).with_name("grpod"))
 

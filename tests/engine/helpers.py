@@ -9,7 +9,7 @@ import torch
 from grpod.engine import EngineConfig, TransportBatch
 from grpod.engine.data.packing import Sample, pack
 from grpod.engine.model.policy import seeded, trunk_sizes
-from grpod.guards.drills import W2_GEOMETRY
+from grpod.guards.workloads import W2_GEOMETRY
 
 TINY = dict(prompts_per_step=4, group_size=4, task="copy", micro_batch_rows=2, seq_len=32)
 W2 = dict(W2_GEOMETRY, prompts_per_step=4, group_size=2, micro_batch_rows=1, max_new_tokens=2)

@@ -16,7 +16,7 @@ from grpod.engine import Engine, EngineConfig
 from grpod.engine.data.tasks import KVRetrievalTask
 from grpod.engine.grpo.step import decide_step
 from grpod.guards import GuardPolicy
-from grpod.guards.drills import W2_GEOMETRY
+from grpod.guards.workloads import W2_GEOMETRY
 
 STEPS = 24
 

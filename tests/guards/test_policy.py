@@ -10,8 +10,8 @@ from grpod.engine.grpo.step import decide_step
 from grpod.engine.state.checkpoint import load_checkpoint, save_checkpoint
 from grpod.engine.verdict import Outcome
 from grpod.guards import Action, GuardPolicy, GuardsConfig, GuardsError
-from grpod.guards.drills import W2_GEOMETRY
 from grpod.guards.policy import GUARD_CLASSES
+from grpod.guards.workloads import W2_GEOMETRY
 from tests.guards.helpers import batch, report
 
 TINY = dict(task="arith", prompts_per_step=2, group_size=4, seq_len=32)
