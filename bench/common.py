@@ -9,6 +9,7 @@ step and never compete for the two cores (see `run_interleaved`).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import multiprocessing as mp
@@ -47,6 +48,17 @@ PROMPTS_PER_STEP = 16
 MAX_NEW_TOKENS = 4
 LR = 1e-3
 OUT_DIR = ROOT / "bench" / "out"
+
+
+def scaleout_parser(steps: int, warmup: int) -> argparse.ArgumentParser:
+    """A scale-out bench's command line: `--steps` timed after `--warmup` untimed ones, and the
+    hidden options it starts its own workers with (`--worker`, `--parallel`)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--parallel", default="fsdp2", help=argparse.SUPPRESS)
+    return parser
 
 
 # ------------------------------------------------------------------ model, tokenizer, task

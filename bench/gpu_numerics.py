@@ -29,23 +29,14 @@ from common import build_model
 from w3_mfu import W3_MODEL
 
 from grpod.engine.model.head import token_logprobs
-from grpod.engine.model.policy import compute_context
+from grpod.engine.model.policy import compute_context, trunk_sizes
 
-QWEN2_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-)
-TINY_TRUNK = dict(  # a dry run's trunk, for every section that builds a model
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+QWEN2_05B = {
+    "vocab_size": 151936,
+    **trunk_sizes(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2),
+}
+# a dry run's trunk, for every section that builds a model
+TINY_TRUNK = trunk_sizes(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
 TINY = {"vocab_size": 512, **TINY_TRUNK}
 HIGH_P = 0.88  # ART: BF16 logits zero target gradients from about here
 CONFIDENT_SHARE = 1 / 3  # the temperature is chosen so that this share reaches HIGH_P

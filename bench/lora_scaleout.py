@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:  # run as `python bench/lora_scaleout.py` from the
     sys.path.insert(0, str(ROOT))
 
 from common import W2_ENGINE as W2  # noqa: E402
-from common import emit, reset_peak, status_kib  # noqa: E402
+from common import emit, reset_peak, scaleout_parser, status_kib  # noqa: E402
 
 LORA = {"rank": 8, "alpha": 16.0}
 
@@ -93,11 +93,7 @@ def launch(mode: str, lora: bool, steps: int, warmup: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--parallel", default="fsdp2", help=argparse.SUPPRESS)
+    parser = scaleout_parser(steps=4, warmup=1)
     parser.add_argument("--lora", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()

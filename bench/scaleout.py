@@ -17,7 +17,6 @@ Prints one JSON line (also appended to bench/out/results.jsonl).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/scaleout.py` from the repo root
     sys.path.insert(0, str(ROOT))
 
-from common import emit  # noqa: E402
+from common import emit, scaleout_parser  # noqa: E402
 
 W1 = dict(task="arith")  # the embedded W1 setting: 16 prompts x 8 completions, 4 new tokens
 
@@ -91,12 +90,7 @@ def launch(command: list[str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--parallel", default="fsdp2", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = scaleout_parser(steps=8, warmup=2).parse_args()
     if args.worker:
         return worker(args.steps, args.warmup, args.parallel)
     me = [str(Path(__file__).resolve()), "--worker", f"--steps={args.steps}"]

@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 
 from common import emit  # noqa: E402
 
-from tests.daemon.helpers import write_config  # noqa: E402
+from tests.daemon.helpers import SERVER_ENGINE, write_config  # noqa: E402
 
 GRPOD = str(Path(sys.executable).with_name("grpod"))
 SIDES = {  # name: (ranks, max_staleness)
@@ -47,17 +47,7 @@ def run_side(ranks: int, staleness: int, steps: int, work: Path) -> list[dict]:
     write_config(
         work / "grpod.toml",
         {
-            "engine": {
-                "rollout_backend": "vllm-server",
-                "task": "copy",
-                "prompts_per_step": 4,
-                "group_size": 4,
-                "max_new_tokens": 8,
-                "seq_len": 64,
-                "threads": 1,
-                "max_staleness": staleness,
-                "tis_cap": 2.0,
-            },
+            "engine": {**SERVER_ENGINE, "max_new_tokens": 8, "max_staleness": staleness},
             "daemon": {"metrics": False, "log_format": "json", "progress": "off"},
         },
     )

@@ -98,15 +98,16 @@ def probe_cost(engine, seed: int) -> dict[str, float]:
         top_p=cfg.top_p,
         eos_token_id=engine.stop_token_ids,
         pad_token_id=engine.tokenizer.pad_token_id,
+        seed=seed,
     )
     times = {}
     order = [None, engine.sampling.probe] if seed % 2 else [engine.sampling.probe, None]
     for probe in order:
         started = time.perf_counter()
-        engine.vllm.sample(prompts, settings, seed=seed, probe=probe)
+        engine.vllm.sample(prompts, settings, probe=probe)
         times["with" if probe else "without"] = time.perf_counter() - started
     started = time.perf_counter()  # the probe in a call of its own: an upper bound of its cost
-    engine.vllm.sample([], settings, seed=seed, probe=engine.sampling.probe)
+    engine.vllm.sample([], settings, probe=engine.sampling.probe)
     times["alone"] = time.perf_counter() - started
     return {"probe_vllm": times["with"] - times["without"], "probe_alone": times["alone"]}
 

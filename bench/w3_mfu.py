@@ -23,13 +23,9 @@ from collections.abc import Callable
 import torch
 from common import THREADS, build_hf_tokenizer, build_model, emit, engine_config, peak_rss_mib
 
-W3_MODEL = dict(
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-)
+from grpod.engine.model.policy import trunk_sizes
+
+W3_MODEL = trunk_sizes(hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=4)
 
 
 def matmul_flops_per_s(

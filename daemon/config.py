@@ -11,10 +11,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from grpod.daemon.errors import ConfigError
-from grpod.engine.config import EngineConfig
+from grpod.engine.config import ConfigSection, EngineConfig, NonNegative, Positive
 from grpod.forensics.config import ForensicsConfig
 from grpod.guards import GuardsConfig
 
@@ -29,27 +29,25 @@ except ModuleNotFoundError:  # python 3.10
 DEFAULT_ROOT = Path("var/grpod")  # the embedded default: ./var/grpod/<run-id>, ./var/grpod/latest
 
 
-class DaemonConfig(BaseModel):
+class DaemonConfig(ConfigSection):
     """The service around the engine: the loop, checkpoints, metrics, health, logs."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     run_dir: str = Field(
         "", description="run directory; '' = ./var/grpod/<run-id> with ./var/grpod/latest"
     )
     max_steps: int = Field(0, ge=0, description="stop when the run reaches this step; 0 = never")
     checkpoint_every: int = Field(10, ge=1, description="checkpoint every K steps")
-    checkpoint_timeout_seconds: float = Field(
-        600.0, gt=0, description="EXTEND_TIMEOUT_USEC sent to systemd while checkpointing"
+    checkpoint_timeout_seconds: Positive = Field(
+        600.0, description="EXTEND_TIMEOUT_USEC sent to systemd while checkpointing"
     )
     metrics: bool = Field(True, description="serve /metrics and /healthz")
     metrics_host: str = Field("127.0.0.1", description="bind address of /metrics and /healthz")
     metrics_port: int = Field(9464, ge=0, le=65535, description="0 = any free port (logged)")
-    health_max_step_age_seconds: float = Field(
-        600.0, gt=0, description="/healthz turns 503 when the last step is older than this"
+    health_max_step_age_seconds: Positive = Field(
+        600.0, description="/healthz turns 503 when the last step is older than this"
     )
-    linger_seconds: float = Field(
-        0.0, ge=0, description="keep /metrics up (with /healthz 503) this long after the loop"
+    linger_seconds: NonNegative = Field(
+        0.0, description="keep /metrics up (with /healthz 503) this long after the loop"
     )
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto = console on a TTY, JSON lines otherwise"
@@ -66,10 +64,8 @@ class DaemonConfig(BaseModel):
     )
 
 
-class GrpodConfig(BaseModel):
+class GrpodConfig(ConfigSection):
     """The whole grpod.toml. The embedded default trains the tiny model on `copy`."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     engine: EngineConfig = Field(default_factory=lambda: EngineConfig(task="copy"))
     guards: GuardsConfig = Field(default_factory=GuardsConfig)

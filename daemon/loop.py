@@ -213,19 +213,18 @@ class Daemon:
             if torchrun.local_rank() == 0:
                 prepare_multiproc_dir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
             distributed.barrier()
-        if self.rank == 0:
-            self.metrics = Metrics(self.registry, self.versions)
-        self.rank_metrics = RankMetrics(self.registry, self.rank)
         samples = sample_decoder(self.engine, cfg.engine.stop, cfg.daemon.log_samples)
         console = StepConsole(self.log, self.progress, samples)
-        self.sink = StepSink(
+        self.sink = StepSink.publishing(
             self.recorder,
-            metrics=self.metrics,
-            rank_metrics=self.rank_metrics,
+            self.registry,
+            self.versions,
+            self.rank,
             status=self.status,
             health=self.health,
             announce=console.announce,
         )
+        self.metrics, self.rank_metrics = self.sink.metrics, self.sink.rank_metrics
         self.checkpoints = Checkpoints(
             self.engine,
             self.policy,

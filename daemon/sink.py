@@ -25,6 +25,8 @@ from grpod.daemon.metrics import Metrics, RankMetrics
 from grpod.daemon.status_view import StatusView
 
 if TYPE_CHECKING:  # engine.step imports the Engine (torch): a type here, not an import
+    from prometheus_client import CollectorRegistry
+
     from grpod.engine.grpo.step import StepResult
 
 
@@ -97,6 +99,20 @@ class StepSink:
         self.status, self.health = status, health
         self.announce = announce
         self.rerun_through = rerun_through
+
+    @classmethod
+    def publishing(
+        cls,
+        recorder: Recorder,
+        registry: CollectorRegistry,
+        versions: dict[str, str],
+        rank: int,
+        **options: Any,
+    ) -> StepSink:
+        """A sink that publishes on `registry`: rank 0 the step's metrics (`versions`: the
+        software they name), every rank its own; `options`: the rest of the sink's."""
+        metrics = Metrics(registry, versions) if rank == 0 else None
+        return cls(recorder, metrics=metrics, rank_metrics=RankMetrics(registry, rank), **options)
 
     def publish(self, result: StepResult, correlation: float | None = None) -> StepResult:
         """Record and publish one decided step; returns it with its `record` phase seconds."""

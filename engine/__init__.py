@@ -13,21 +13,7 @@ Public names are imported on first use (grpod/base/lazy.py): `engine.config` and
 
 from grpod.base.lazy import lazy_exports
 
-__all__ = [
-    "Action",
-    "ChunkTrace",
-    "Engine",
-    "EngineConfig",
-    "EngineError",
-    "Finding",
-    "Outcome",
-    "StepReport",
-    "StepResult",
-    "TransportBatch",
-    "Verdict",
-    "decide_step",
-]
-__getattr__ = lazy_exports(
+__all__, __getattr__ = lazy_exports(
     __name__,
     {
         "Action": "grpod.engine.verdict",

@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 import os
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -14,51 +14,55 @@ from grpod.base import torchrun
 from grpod.engine.errors import EngineError
 from grpod.engine.kvcache import KVCacheSpec, default_sinks
 
+# the bounds config floats share, as types (grpod.toml's example file prints them)
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]  # a share of a whole, 0..1
+NonNegative = Annotated[float, Field(ge=0.0)]
+Positive = Annotated[float, Field(gt=0.0)]
 
-class FaultsConfig(BaseModel):
-    """Drill faults (`[engine.faults]`): each list names the steps it corrupts; empty = off."""
+
+class ConfigSection(BaseModel):
+    """A section of grpod.toml (or of one): unknown keys refused, frozen, types strict (a
+    string is not coerced to a number). Every package's config section is one."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def drill_steps(description: str) -> Any:
+    """A drill's field: the steps it corrupts (empty: off), `description` saying how."""
+    return Field(default_factory=list, description=description)
+
+
+class FaultsConfig(ConfigSection):
+    """Drill faults (`[engine.faults]`): each list names the steps it corrupts; empty = off."""
 
     accounting: Literal["none", "last_micro_first_chunk"] = Field(
         "none",
         description="last_micro_first_chunk: a per-chunk counter, chunks in reverse (every "
         "step reads chunk 0 of its last micro)",
     )
-    nan_loss_steps: list[int] = Field(default_factory=list, description="micro 0's loss is NaN")
-    inf_grad_steps: list[int] = Field(
-        default_factory=list, description="one gradient element is inf"
-    )
-    sentinel_logprob_steps: list[int] = Field(
-        default_factory=list, description="one sampler logprob is -9999"
-    )
-    equal_reward_steps: list[int] = Field(
-        default_factory=list, description="every group's rewards equal its first"
-    )
-    loss_spike_steps: list[int] = Field(
-        default_factory=list, description="advantages scaled by 1000"
-    )
+    nan_loss_steps: list[int] = drill_steps("micro 0's loss is NaN")
+    inf_grad_steps: list[int] = drill_steps("one gradient element is inf")
+    sentinel_logprob_steps: list[int] = drill_steps("one sampler logprob is -9999")
+    equal_reward_steps: list[int] = drill_steps("every group's rewards equal its first")
+    loss_spike_steps: list[int] = drill_steps("advantages scaled by 1000")
     # rollout_backend = "vllm": the push of the trainer's weights into the sampler
-    weight_sync_skip_steps: list[int] = Field(
-        default_factory=list, description="vllm: nothing pushed before the step's rollout"
+    weight_sync_skip_steps: list[int] = drill_steps(
+        "vllm: nothing pushed before the step's rollout"
     )
-    weight_sync_stale_cache_steps: list[int] = Field(
-        default_factory=list, description="vllm: pushed, but the prefix cache is not reset"
+    weight_sync_stale_cache_steps: list[int] = drill_steps(
+        "vllm: pushed, but the prefix cache is not reset"
     )
-    weight_sync_corrupt_steps: list[int] = Field(
-        default_factory=list,
-        description="vllm: the push's last untied matrix arrives shifted by one element",
+    weight_sync_corrupt_steps: list[int] = drill_steps(
+        "vllm: the push's last untied matrix arrives shifted by one element"
     )
-    stale_rollout_steps: list[int] = Field(
-        default_factory=list,
-        description="max_staleness > 0: the step's rollout is sampled one step earlier than "
+    stale_rollout_steps: list[int] = drill_steps(
+        "max_staleness > 0: the step's rollout is sampled one step earlier than "
         "its bound allows (a sampler that ran ahead): it arrives too old and must be dropped "
-        "(under torchrun on every rank, whatever `ranks` says: launches are collective)",
+        "(under torchrun on every rank, whatever `ranks` says: launches are collective)"
     )
     # one sample of a step poisoned: what `grpod replay --by-sample` must rank first
-    poison_sample_steps: list[int] = Field(
-        default_factory=list,
-        description="one sample of the step is poisoned (poison_sample_index, _kind)",
+    poison_sample_steps: list[int] = drill_steps(
+        "one sample of the step is poisoned (poison_sample_index, _kind)"
     )
     poison_sample_index: int = Field(
         0, ge=0, description="the poisoned sample's position in the step's batch (its sample id)"
@@ -101,13 +105,11 @@ class FaultsConfig(BaseModel):
         )
 
 
-class LoraConfig(BaseModel):
+class LoraConfig(ConfigSection):
     """LoRA adapters with PEFT (the `lora` extra): only they train, in FP32; rank 0 = off."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
     rank: int = Field(0, ge=0, description="adapter rank; 0 = off (full fine-tuning)")
-    alpha: float = Field(16.0, gt=0.0, description="scaling: the update is alpha / rank * B A")
+    alpha: Positive = Field(16.0, description="scaling: the update is alpha / rank * B A")
     dropout: float = Field(
         0.0, ge=0.0, lt=1.0, description="> 0 draws torch's RNG: replay is then not bit-exact"
     )
@@ -119,10 +121,8 @@ class LoraConfig(BaseModel):
     )  # fmt: skip
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(ConfigSection):
     """Every knob of a GRPO step. Defaults are the embedded W1 setting."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     # model and task
     model: str = Field("tiny-qwen2", description="'tiny-qwen2' or a local model directory")
@@ -143,8 +143,8 @@ class EngineConfig(BaseModel):
     reward_path: str = Field(
         "", description="directory reward modules import from; grpod run records its cwd"
     )
-    reward_timeout_seconds: float = Field(
-        60.0, ge=0.0, description="a reward call running longer is the reward's failure; 0 = none"
+    reward_timeout_seconds: NonNegative = Field(
+        60.0, description="a reward call running longer is the reward's failure; 0 = none"
     )
     audit_rewards: list[str] = Field(
         default_factory=list,
@@ -160,8 +160,8 @@ class EngineConfig(BaseModel):
     stop: list[str] = Field(
         default_factory=list, description="a completion ends after the token completing one"
     )
-    long_prompt_batch_fraction: float = Field(
-        0.0, ge=0.0, le=1.0, description="kv-retrieval: fraction of all-long-prompt batches"
+    long_prompt_batch_fraction: Fraction = Field(
+        0.0, description="kv-retrieval: fraction of all-long-prompt batches"
     )
     kv_retrieval_records: tuple[int, int] = Field(
         (4, 48),
@@ -175,7 +175,7 @@ class EngineConfig(BaseModel):
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(4, ge=1)
-    temperature: float = Field(1.0, gt=0.0)
+    temperature: Positive = 1.0
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     rollout_backend: Literal["torch", "vllm", "vllm-server"] = Field(
         "torch",
@@ -237,11 +237,11 @@ class EngineConfig(BaseModel):
         description="vllm-server: where weight snapshots are written for the server to load "
         "(it must see the path); '' = a temporary directory",
     )
-    vllm_server_timeout_seconds: float = Field(
-        300.0, gt=0.0, description="vllm-server: the longest wait for any one request's answer"
+    vllm_server_timeout_seconds: Positive = Field(
+        300.0, description="vllm-server: the longest wait for any one request's answer"
     )
-    vllm_server_start_timeout_seconds: float = Field(
-        900.0, gt=0.0, description="vllm-server: the longest wait for grpod's server to be up"
+    vllm_server_start_timeout_seconds: Positive = Field(
+        900.0, description="vllm-server: the longest wait for grpod's server to be up"
     )
     max_staleness: int = Field(
         0,
@@ -271,7 +271,7 @@ class EngineConfig(BaseModel):
     eval_task: str = Field("", description="arith | copy | kv-retrieval | a JSONL file; '' = off")
     eval_every: int = Field(0, ge=0, description="evaluate every K steps; 0 = never")
     eval_samples: int = Field(16, ge=1, description="prompts per evaluation, one completion each")
-    eval_temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    eval_temperature: NonNegative = Field(0.0, description="0 = greedy")
     eval_on_error: Literal["warn", "stop"] = Field(
         "warn", description="a failing eval reward: warn and train on, or stop the run (exit 2)"
     )
@@ -289,21 +289,21 @@ class EngineConfig(BaseModel):
     chunk_order: Literal["forward", "reverse"] = "forward"
     # loss
     loss: Literal["ppo", "cispo"] = "ppo"
-    eps_low: float = Field(0.2, ge=0.0)
-    eps_high: float = Field(0.2, ge=0.0)
-    logratio_clamp: float = Field(20.0, gt=0.0)
-    tis_cap: float = Field(0.0, ge=0.0, description="truncated importance sampling cap; 0 = off")
-    kl_beta: float = Field(0.0, ge=0.0)
+    eps_low: NonNegative = 0.2
+    eps_high: NonNegative = 0.2
+    logratio_clamp: Positive = 20.0
+    tis_cap: NonNegative = Field(0.0, description="truncated importance sampling cap; 0 = off")
+    kl_beta: NonNegative = 0.0
     epochs: int = Field(1, ge=1)
     # optimizer
-    lr: float = Field(1e-3, ge=0.0)
+    lr: NonNegative = 1e-3
     lr_schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     total_steps: int = Field(1000, ge=1, description="cosine horizon")
-    adam_eps: float = Field(1e-8, gt=0.0)
+    adam_eps: Positive = 1e-8
     adam_betas: tuple[float, float] = Field((0.9, 0.999), strict=False)  # TOML has no tuples
-    weight_decay: float = Field(0.0, ge=0.0)
-    max_grad_norm: float = Field(1.0, gt=0.0)
+    weight_decay: NonNegative = 0.0
+    max_grad_norm: Positive = 1.0
     # scale-out (engine/model/parallel.py)
     parallel: Literal["auto", "fsdp2", "ddp", "none"] = Field(
         "auto", description="auto = fsdp2 under torchrun (WORLD_SIZE > 1), else none"

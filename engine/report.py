@@ -46,17 +46,11 @@ class RankReport:
 
     @classmethod
     def of(cls, report: StepReport, phase_seconds: dict[str, float]) -> RankReport:
-        """The rank's numbers from its own `StepReport` and its step's phase seconds."""
-        return cls(
-            rank=report.rank,
-            valid_tokens=report.valid_tokens,
-            expected_valid_tokens=report.expected_valid_tokens,
-            local_loss=report.local_loss,
-            num_micros=report.num_micros,
-            num_samples=report.num_samples,
-            phase_seconds=dict(phase_seconds),
-            chunk_trace=list(report.chunk_trace),
-        )
+        """The rank's numbers from its own `StepReport` (every field but the phase seconds is
+        the report's field of the same name) and its step's phase seconds."""
+        taken = {f.name: getattr(report, f.name) for f in fields(cls) if f.name != "phase_seconds"}
+        taken["chunk_trace"] = list(report.chunk_trace)
+        return cls(**taken, phase_seconds=dict(phase_seconds))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankReport:

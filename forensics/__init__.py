@@ -7,24 +7,7 @@ Public names are imported on first use (grpod/base/lazy.py), so a light submodul
 
 from grpod.base.lazy import lazy_exports
 
-__all__ = [
-    "BlobStore",
-    "FlightRecorder",
-    "ForensicsConfig",
-    "ForensicsError",
-    "FsckReport",
-    "GcReport",
-    "ReplayResult",
-    "Store",
-    "canonical_digest",
-    "export_incident",
-    "fsck",
-    "gc",
-    "list_incidents",
-    "replay",
-    "show_incident",
-]
-__getattr__ = lazy_exports(
+__all__, __getattr__ = lazy_exports(
     __name__,
     {
         "BlobStore": "grpod.forensics.blobs",

@@ -41,8 +41,7 @@ from grpod.forensics.compare import bit_equal
 from grpod.forensics.context import ContextRestore
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.nonfinite import FirstNonFinite, birth_token
-from grpod.forensics.step_replay import as_run, replay_plan, rerun_step, restore_engine
-from grpod.forensics.store import Store
+from grpod.forensics.step_replay import as_run, opened_plan, rerun_step, restore_engine
 
 PROMPT_ID = (
     "the prompt's position in the run's data stream: generation x prompts_per_step + its group "
@@ -86,17 +85,11 @@ def attribute(
 ) -> StepAttribution:
     """Attribute recorded step `step` (or the step of `incident_id`) of the run in `run_dir`
     to its samples."""
-    if (step is None) == (incident_id is None):
-        raise ForensicsError("replay --by-sample: give exactly one of an incident id or --step")
     started = time.perf_counter()
-    store = Store(run_dir, store_url, create=False)
-    try:
-        store.check_schema()
-        config, _versions, checkpoint, plan = replay_plan(store, step, incident_id)
+    with opened_plan(run_dir, store_url, step, incident_id, "replay --by-sample") as opened:
+        store, (config, _versions, checkpoint, plan) = opened
         process = ExecutionContext.capture()
         engine = restore_engine(store, config, checkpoint)
-    finally:
-        store.close()
     if engine.parallel.world_size > 1:
         raise ForensicsError("replay --by-sample runs in one process, not under torchrun")
     target = plan[-1]

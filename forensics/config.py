@@ -5,16 +5,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
+from grpod.engine.config import ConfigSection, Positive
 from grpod.engine.verdict import ACTION_NAMES, ActionName
 from grpod.forensics.errors import ForensicsError
 
 
-class ForensicsConfig(BaseModel):
+class ForensicsConfig(ConfigSection):
     """Where steps are recorded, when an incident opens, and how much history is kept."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     store_url: str = Field(
         "",
@@ -40,8 +39,8 @@ class ForensicsConfig(BaseModel):
         description="steps the writer commits together (their blob fsyncs and one transaction); "
         "an incident or a checkpoint commits at once; 1 = every step",
     )
-    commit_interval_seconds: float = Field(
-        1.0, gt=0, description="the longest a recorded step waits for its group's commit"
+    commit_interval_seconds: Positive = Field(
+        1.0, description="the longest a recorded step waits for its group's commit"
     )
     inline_blob_bytes: int = Field(
         256 * 1024,

@@ -28,6 +28,16 @@ class Base(DeclarativeBase):
     pass
 
 
+class RunStepRow:
+    """The id, run and step a per-run table opens with (migrations/columns.py
+    `run_step_columns`): an incident's `step` is its episode's first, an eval's the engine
+    cursor (steps taken before it), a checkpoint's the cursor when saved."""
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+
+
 class Run(Base):
     __tablename__ = "runs"
 
@@ -54,15 +64,12 @@ class Blob(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
-class Step(Base):
+class Step(RunStepRow, Base):
     """One recorded step: its outcome, every StepReport scalar, the verdict, the batch digest."""
 
     __tablename__ = "steps"
     __table_args__ = (Index("ix_steps_run_step", "run_id", "step"),)
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)
     outcome: Mapped[str] = mapped_column(String(16))  # applied | flushed | skipped
     rerun: Mapped[bool] = mapped_column(Boolean, default=False)
     verdict_action: Mapped[str] = mapped_column(String(8))  # PASS | WARN | FLUSH | HALT
@@ -129,22 +136,19 @@ class StepRank(Base):
     report_json: Mapped[str] = mapped_column(Text)  # the rank's `rank_reports` dict
 
 
-class Checkpoint(Base):
+class Checkpoint(RunStepRow, Base):
     """A checkpoint directory noted by the daemon; `step` = the engine cursor when saved."""
 
     __tablename__ = "checkpoints"
     __table_args__ = (Index("ix_checkpoints_run_step", "run_id", "step"),)
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)
     path: Mapped[str] = mapped_column(Text)  # relative to the run directory when inside it
     pinned: Mapped[bool] = mapped_column(Boolean, default=False)  # an incident needs it
     deleted: Mapped[bool] = mapped_column(Boolean, default=False)  # removed by retention
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
-class Incident(Base):
+class Incident(RunStepRow, Base):
     """An episode: one guard's finding of one kind over consecutive steps (schema 0003).
 
     It opens at the first step with the finding at or above the incident action, grows
@@ -156,9 +160,6 @@ class Incident(Base):
 
     __tablename__ = "incidents"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)  # the first step
     step_id: Mapped[int] = mapped_column(ForeignKey("steps.id"))
     action: Mapped[str] = mapped_column(String(8))  # the highest action of the episode
     verdict_json: Mapped[str] = mapped_column(Text)  # the first step's verdict
@@ -176,15 +177,12 @@ class Incident(Base):
     closed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
-class Eval(Base):
+class Eval(RunStepRow, Base):
     """One held-out evaluation (`[engine] eval_task`) of the policy after `step` steps."""
 
     __tablename__ = "evals"
     __table_args__ = (Index("ix_evals_run_step", "run_id", "step"),)
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)  # the engine cursor: steps taken before it
     samples: Mapped[int] = mapped_column(Integer)
     temperature: Mapped[float] = mapped_column(Float)  # 0 = greedy
     rewards_json: Mapped[str] = mapped_column(Text)  # {"total": mean, "mod:f": mean, ...}

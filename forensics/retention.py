@@ -15,7 +15,6 @@ files that share an inode (see `link_unchanged`) count once.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import time
@@ -25,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import delete, select
 
-from grpod.base.fileio import atomic_file
+from grpod.base.fileio import atomic_file, file_sha256
 from grpod.forensics.blobs import TEMP_PREFIX, BlobStore
 from grpod.forensics.models import Blob, Checkpoint, Incident, Step
 from grpod.forensics.store import Store
@@ -233,18 +232,10 @@ def link_unchanged(new: Path, previous: Path) -> int:
             continue
         if os.path.samefile(file, old) or file.stat().st_size != old.stat().st_size:
             continue
-        if _sha256(file) != _sha256(old):
+        if file_sha256(file) != file_sha256(old):
             continue
         with atomic_file(file, durable=False) as tmp:  # the link built beside, renamed over
             tmp.unlink(missing_ok=True)
             os.link(old, tmp)
         saved += file.stat().st_size
     return saved
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

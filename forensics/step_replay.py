@@ -26,7 +26,8 @@ import importlib.metadata
 import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -99,6 +100,29 @@ class PlannedStep:
     ranks: list[RankRecord] = field(default_factory=list)  # the target's only
 
 
+def classify(target: PlannedStep, reproduced: bool | str) -> str:
+    """What a replay says of its target step: persistent (reproduced, and recorded as bad:
+    not PASS, or not applied), healthy (reproduced, recorded as good) or transient."""
+    bad = target.row.verdict_action != Action.PASS.name or target.row.outcome != Outcome.APPLIED
+    return ("persistent" if bad else "healthy") if reproduced else "transient"
+
+
+def plan_fields(
+    plan: list[PlannedStep], checkpoint: Checkpoint, incident_id: int | None
+) -> dict[str, Any]:
+    """The `ReplayResult` fields a replay's plan decides: its target step (the last) as
+    recorded, the checkpoint it started from and how many steps it ran."""
+    target = plan[-1]
+    return {
+        "step": target.report.step,
+        "outcome": target.row.outcome,
+        "verdict_action": target.row.verdict_action,
+        "checkpoint_step": checkpoint.step,
+        "steps_replayed": len(plan),
+        "incident_id": incident_id,
+    }
+
+
 def replay(
     run_dir: str | os.PathLike,
     step: int | None = None,
@@ -111,17 +135,11 @@ def replay(
 ) -> ReplayResult:
     """Replay `step` (or the step of `incident_id`) of the run in `run_dir`; `rank`: only that
     rank's part of a distributed target step, in this one process."""
-    if (step is None) == (incident_id is None):
-        raise ForensicsError("replay: give exactly one of an incident id or --step")
-    store = Store(run_dir, store_url, create=False)
-    try:
-        store.check_schema()
-        config, versions, checkpoint, plan = replay_plan(store, step, incident_id)
+    with opened_plan(run_dir, store_url, step, incident_id) as (store, planned):
+        config, versions, checkpoint, plan = planned
         recorded_rank = None if rank is None else _rank_of(plan[-1], rank)
         process = ExecutionContext.capture()  # set again when the replay ends
         engine = restore_engine(store, config, checkpoint)
-    finally:
-        store.close()
     part = engine.parallel.rank if engine.parallel.world_size > 1 else None
     if rank is not None and part is not None:
         raise ForensicsError("replay: --rank R runs in one process, not under torchrun")
@@ -163,27 +181,20 @@ def replay(
     reproduced: bool | str = diverged_at is None
     if reproduced and differs:
         reproduced = f"within {_rtol()} ({differs[-1]})"
-    bad = target.row.verdict_action != Action.PASS.name or target.row.outcome != Outcome.APPLIED
     note = _note(target, versions, rank, len(plan))
     if diverged_at is not None:
         how = f"beyond {_rtol()} ({differs[0]})" if differs else "not bit-exact"
         note = "; ".join(filter(None, [f"diverged in {diverged_field}: {how}", note]))
-    classification = ("persistent" if bad else "healthy") if reproduced else "transient"
+    classification = classify(target, reproduced)
     if not reproduced and contexts.decisive:  # another machine's numbers: no word on the fault
         classification = "inconclusive"
     return ReplayResult(
         reproduced=reproduced,
-        step=target.report.step,
         recorded=_fields(target.report, recorded_rank),
         replayed=_fields(replayed, None, local=rank is not None) if replayed is not None else {},
         classification=classification,
         diverged_at=diverged_at,
         field=diverged_field,
-        outcome=target.row.outcome,
-        verdict_action=target.row.verdict_action,
-        checkpoint_step=checkpoint.step,
-        steps_replayed=len(plan),
-        incident_id=incident_id,
         note=note,
         trace=(
             _trace(target.report, replayed, recorded_rank)
@@ -191,7 +202,28 @@ def replay(
             else None
         ),
         context=contexts.summary(),
+        **plan_fields(plan, checkpoint, incident_id),
     )
+
+
+@contextmanager
+def opened_plan(
+    run_dir: str | os.PathLike,
+    store_url: str,
+    step: int | None,
+    incident_id: int | None,
+    command: str = "replay",
+) -> Iterator[tuple[Store, tuple[dict[str, Any], dict[str, str], Checkpoint, list[PlannedStep]]]]:
+    """The run's store (schema checked; closed after) and the `replay_plan` of `step` or of
+    `incident_id`'s step: exactly one of them (else `command`'s error says so)."""
+    if (step is None) == (incident_id is None):
+        raise ForensicsError(f"{command}: give exactly one of an incident id or --step")
+    store = Store(run_dir, store_url, create=False)
+    try:
+        store.check_schema()
+        yield store, replay_plan(store, step, incident_id)
+    finally:
+        store.close()
 
 
 def replay_plan(

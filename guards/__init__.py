@@ -9,17 +9,7 @@ Public names are imported on first use (grpod/base/lazy.py), so a light submodul
 
 from grpod.base.lazy import lazy_exports
 
-__all__ = [
-    "DRILLS",
-    "Action",
-    "Finding",
-    "GuardPolicy",
-    "GuardsConfig",
-    "GuardsError",
-    "Verdict",
-    "run_drill",
-]
-__getattr__ = lazy_exports(
+__all__, __getattr__ = lazy_exports(
     __name__,
     {
         "Action": "grpod.guards.verdict",

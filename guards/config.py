@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from grpod.engine.config import ConfigSection, Fraction, NonNegative, Positive
 from grpod.guards.errors import GuardsError
 from grpod.guards.verdict import ActionName
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+class _Section(ConfigSection):
+    """A guard's section: it can be turned off."""
 
     enabled: bool = True
 
@@ -19,15 +20,13 @@ class _Section(BaseModel):
 class WeightSyncConfig(_Section):
     """The sampler (vLLM) scores a fixed probe after every weight push; the trainer too."""
 
-    max_nats_float32: float = Field(
+    max_nats_float32: Positive = Field(
         1e-3,
-        gt=0.0,
         description="largest |sampler - trainer| logprob of a probe token with a float32 "
         "trainer (measured: ~5e-7 on vLLM's CPU build)",
     )
-    max_nats_bfloat16: float = Field(
+    max_nats_bfloat16: Positive = Field(
         0.03,
-        gt=0.0,
         description="the same with a bfloat16 trunk (measured on vLLM's CPU build: clean syncs "
         "4.6e-3 to 8.2e-3, the corrupt-push drill 0.072; not measured on a GPU)",
     )
@@ -83,18 +82,17 @@ class SpikeConfig(_Section):
 
     window: int = Field(128, ge=2)
     min_steps: int = Field(32, ge=2)
-    threshold_sigma: float = Field(6.0, gt=0.0)
+    threshold_sigma: Positive = 6.0
     spread: Literal["std", "mad"] = Field(
         "std", description="mean and std, or median and 1.4826 x MAD (robust to outliers)"
     )
-    min_std: float = Field(
+    min_std: NonNegative = Field(
         1e-2,
-        ge=0.0,
         description="absolute floor of the spread: a move under threshold_sigma x this from a "
         "flat window is no spike",
     )
-    relative_floor: float = Field(
-        0.05, ge=0.0, description="the spread is at least this fraction of |center|"
+    relative_floor: NonNegative = Field(
+        0.05, description="the spread is at least this fraction of |center|"
     )
     level_shift_after: int = Field(
         8, ge=1, description="after this many consecutive spikes a metric's new level is accepted"
@@ -113,12 +111,10 @@ class SpikeConfig(_Section):
 class AdvantageConfig(_Section):
     """Signal lost: most groups alike after steps with signal, or all advantages 0 anyway."""
 
-    zero_std_fraction_max: float = Field(0.9, ge=0.0, le=1.0)
+    zero_std_fraction_max: Fraction = 0.9
     history_steps: int = Field(8, ge=1, description="the steps whose mean fraction is compared")
-    history_fraction_max: float = Field(
+    history_fraction_max: Fraction = Field(
         0.65,
-        ge=0.0,
-        le=1.0,
         description="warn only when the previous steps' mean zero-std fraction was at most this",
     )
     action: ActionName = "WARN"
@@ -131,13 +127,13 @@ class AdvantageConfig(_Section):
 class SamplerMismatchConfig(_Section):
     """Sampler vs trainer logprobs: disagreement on-policy, drift (looser) when stale."""
 
-    p99_max_nats: float = Field(1.0, gt=0.0)
-    fraction_above_0_1_max: float = Field(0.2, ge=0.0, le=1.0)
-    drift_p99_max_nats: float = Field(
-        4.0, gt=0.0, description="a stale rollout (max_staleness > 0): p99 per version behind"
+    p99_max_nats: Positive = 1.0
+    fraction_above_0_1_max: Fraction = 0.2
+    drift_p99_max_nats: Positive = Field(
+        4.0, description="a stale rollout (max_staleness > 0): p99 per version behind"
     )
-    drift_fraction_above_0_1_max: float = Field(
-        0.8, ge=0.0, le=1.0, description="a stale rollout: the fraction above 0.1 nats"
+    drift_fraction_above_0_1_max: Fraction = Field(
+        0.8, description="a stale rollout: the fraction above 0.1 nats"
     )
     action: ActionName = "WARN"
 
@@ -156,7 +152,7 @@ class ClipConfig(_Section):
     baseline_steps: int = Field(
         16, ge=1, description="the baseline: the median grad norm of the run's first N steps"
     )
-    fraction_max: float = Field(0.5, ge=0.0, le=1.0)
+    fraction_max: Fraction = 0.5
     action: ActionName = "WARN"
 
 
@@ -166,11 +162,11 @@ class DeadCampaignConfig(_Section):
     steps: int = Field(
         200, ge=2, description="the window: this many steps without learning signal halt"
     )
-    zero_std_fraction_min: float = Field(
-        0.95, ge=0.0, le=1.0, description="the window's mean zero-std group fraction at or above"
+    zero_std_fraction_min: Fraction = Field(
+        0.95, description="the window's mean zero-std group fraction at or above"
     )
-    grad_norm_max: float = Field(
-        1e-4, ge=0.0, description="or: the window's largest pre-clip grad norm at or below"
+    grad_norm_max: NonNegative = Field(
+        1e-4, description="or: the window's largest pre-clip grad norm at or below"
     )
     action: ActionName = Field("HALT", description="WARN keeps a dead campaign running")
 
@@ -179,7 +175,7 @@ class RewardTrendConfig(_Section):
     """The reward's rolling mean falling from its best."""
 
     window: int = Field(100, ge=2)
-    max_drop: float = Field(0.25, ge=0.0, le=1.0, description="fraction below the best mean")
+    max_drop: Fraction = Field(0.25, description="fraction below the best mean")
     action: ActionName = "WARN"
 
 
@@ -187,8 +183,8 @@ class EntropyConfig(_Section):
     """The policy's mean per-token entropy collapsing."""
 
     window: int = Field(50, ge=1)
-    floor: float = Field(0.05, ge=0.0, description="nats: the window's mean below this warns")
-    max_drop: float = Field(0.9, ge=0.0, le=1.0, description="fraction below the best mean")
+    floor: NonNegative = Field(0.05, description="nats: the window's mean below this warns")
+    max_drop: Fraction = Field(0.9, description="fraction below the best mean")
     action: ActionName = "WARN"
 
 
@@ -201,26 +197,22 @@ class RewardHackingConfig(_Section):
 
     window: int = Field(32, ge=4, description="steps each rule's trend test reads")
     min_steps: int = Field(16, ge=4, description="steps before the rules are tested")
-    t_min: float = Field(
-        4.0,
-        gt=0.0,
-        description="a series rises (or falls) when its slope's t-statistic is past this",
+    t_min: Positive = Field(
+        4.0, description="a series rises (or falls) when its slope's t-statistic is past this"
     )
     flat_t: float = Field(
         1.0, description="a second opinion 'does not rise' when its slope's t is below this"
     )
-    follow_min: float = Field(
+    follow_min: NonNegative = Field(
         0.25,
-        ge=0.0,
         description="divergence: an audit that gained less than this fraction of the trained "
         "reward's gain (last quarter minus first) has not followed it",
     )
-    min_rise: float = Field(
-        0.1, gt=0.0, description="the trained reward's least rise over the window (reward units)"
+    min_rise: Positive = Field(
+        0.1, description="the trained reward's least rise over the window (reward units)"
     )
-    gap_min: float = Field(
+    gap_min: NonNegative = Field(
         0.1,
-        ge=0.0,
         description="divergence: the trained reward's lead over the audit (last quarter) "
         "must have grown by this much and be positive",
     )
@@ -233,23 +225,20 @@ class RewardHackingConfig(_Section):
         description="length drift: the window's last-quarter mean length over its first, or "
         "the inverse, at least this",
     )
-    length_corr_min: float = Field(
-        0.5, ge=0.0, le=1.0, description="length drift: |corr(length, reward)| at least this"
+    length_corr_min: Fraction = Field(
+        0.5, description="length drift: |corr(length, reward)| at least this"
     )
-    degeneration_rise_min: float = Field(
+    degeneration_rise_min: Positive = Field(
         0.2,
-        gt=0.0,
         description="degeneration: repeated 3-gram or identical-completion fraction risen by this",
     )
-    fall_t: float = Field(
+    fall_t: Positive = Field(
         2.0,
-        gt=0.0,
         description="length, degeneration, KL: the second opinion falls when its slope's t is "
         "at or below minus this",
     )
-    best_drop_min: float = Field(
+    best_drop_min: NonNegative = Field(
         0.1,
-        ge=0.0,
         description="length, degeneration, KL: and its last quarter is at least this below its "
         "best quarter (a converged policy at its best is not degenerating)",
     )
@@ -260,8 +249,8 @@ class RewardHackingConfig(_Section):
         description="one weighted term's share of the reward's rise at or above this, while "
         "another term falls",
     )
-    kl_min_rise: float = Field(
-        0.01, gt=0.0, description="KL: its least rise over the window (nats per token)"
+    kl_min_rise: Positive = Field(
+        0.01, description="KL: its least rise over the window (nats per token)"
     )
     warn_after: int = Field(3, ge=1, description="steps in a row a rule holds before it WARNs")
     halt_after: int = Field(
@@ -286,10 +275,8 @@ def as_config(config: GuardsConfig | dict | None) -> GuardsConfig:
         raise GuardsError(f"guards config {where}: {first['msg']}") from None
 
 
-class GuardsConfig(BaseModel):
+class GuardsConfig(ConfigSection):
     """Every guard's section, plus the policy's escalation and distributed settings."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     halt_after_consecutive_flushes: int = Field(
         5, ge=0, description="this many flushed steps in a row become a HALT; 0 = never"

@@ -29,25 +29,10 @@ from grpod.engine.config import EngineConfig
 from grpod.engine.verdict import Action, Outcome
 from grpod.guards.config import GuardsConfig, as_config
 from grpod.guards.errors import GuardsError
+from grpod.guards.workloads import W1_SMALL, W1C, W2_SMALL
 
 if TYPE_CHECKING:
     from grpod.engine.grpo.step import StepResult
-
-W1_SMALL = dict(task="arith", prompts_per_step=4, group_size=4)
-# W1c with one completion token (its reward reads only the first token), which is cheaper;
-# 16 groups, so that a clean step almost never has a zero-std group fraction above 0.9
-W1C = dict(task="copy", prompts_per_step=16, group_size=8, max_new_tokens=1, seq_len=32)
-W2_SMALL = dict(  # the W2 accounting workload, cut down for CPU
-    task="kv-retrieval",
-    seq_len=256,
-    sequence_chunks=4,
-    lmhead_chunks=4,
-    prompts_per_step=2,
-    group_size=4,
-    micro_batch_rows=2,
-    max_new_tokens=2,
-    long_prompt_batch_fraction=0.25,
-)
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,14 @@ from grpod.engine.config import EngineConfig
 from grpod.engine.verdict import Action
 from grpod.guards.config import GuardsConfig
 from grpod.guards.trend import evidence_lines
+from grpod.guards.workloads import W1C
 
 AUDIT_EXACT = "grpod.engine.data.tasks:exact_match_reward"  # the strict verifier
 AUDIT_FIRST_TOKEN = "grpod.engine.data.tasks:first_token_reward"  # W1c's own goal
 # W1c's shape, 4 new tokens (room for the loophole), audited by the strict check every step
 HACK = dict(
+    W1C,
     task="copy-loophole",
-    prompts_per_step=16,
-    group_size=8,
     max_new_tokens=4,
     seq_len=16,
     audit_rewards=[AUDIT_EXACT],

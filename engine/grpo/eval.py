@@ -77,7 +77,9 @@ class Evaluator:
     def run(self) -> EvalResult:
         cfg = self.engine.config
         started = time.perf_counter()
-        out, _, texts = self.engine.generate(self.prompt_ids, self.seed, cfg.eval_temperature)
+        out, _, texts = self.engine.sampling.generate(
+            self.prompt_ids, self.seed, cfg.eval_temperature
+        )
         self.engine.take_phase_seconds()  # its weight sync is the eval's time (`seconds`)
         total, parts = self.rewards.score(self.prompts, texts, 1)
         rewards = {"total": float(total.double().mean())}

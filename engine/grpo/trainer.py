@@ -23,7 +23,6 @@ from grpod.engine.model.parallel import Parallel, total_norm
 from grpod.engine.phases import PhaseClock
 from grpod.engine.report import StepReport
 from grpod.engine.rollout.ahead import Ahead, AheadStats
-from grpod.engine.rollout.sampler import Rollout
 from grpod.engine.rollout.sampling import Pending, Sampling
 from grpod.engine.state import distcp, engine_state
 from grpod.engine.state.cursor import DataCursor
@@ -298,18 +297,6 @@ class Engine:
         )
 
     # ----------------------------------------------------------------- one call away
-    def generate(
-        self,
-        prompts: list[list[int]],
-        seed: int,
-        temperature: float | None = None,
-        *,
-        step: int | None = None,
-    ) -> tuple[Rollout, list[list[int]], list[str]]:
-        """One completion per prompt: the rollout, each completion's ids and the text its
-        rewards see (engine/rollout/sampling.py); `step`: its training step, None for an eval."""
-        return self.sampling.generate(prompts, seed, temperature, step=step)
-
     def start_sampler(self) -> None:
         """Start the vLLM sampler the config names now (else the first rollout does)."""
         self.sampling.start()

@@ -19,12 +19,22 @@ from grpod.engine.errors import EngineError
 
 T = TypeVar("T")
 
+
+def trunk_sizes(
+    hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int
+) -> dict[str, int]:
+    """A Qwen2 or Llama trunk's five sizes, under the names its Hugging Face config takes."""
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+    )
+
+
 TINY_QWEN2 = dict(  # the W1 model (shared/bench/WORKLOADS.md)
-    hidden_size=128,
-    intermediate_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    trunk_sizes(hidden=128, intermediate=512, layers=4, heads=4, kv_heads=2),
     tie_word_embeddings=True,
 )
 

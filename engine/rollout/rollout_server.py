@@ -152,14 +152,9 @@ class ServerSampler:
             self.client.post("/reset_prefix_cache")
 
     def sample(
-        self,
-        prompts: list[list[int]],
-        settings: SamplingSettings,
-        *,
-        seed: int,
-        probe: list[int] | None = None,
+        self, prompts: list[list[int]], settings: SamplingSettings, probe: list[int] | None = None
     ) -> tuple[Rollout, ProbeScores | None]:
-        """One completion per prompt, each request seeded from `seed` and its index, and the
+        """One completion per prompt, each request seeded by `settings.request_seed`, and the
         weight-sync probe's scores (`probe`): the colocated sampler's contract."""
         bodies = [
             _completion(
@@ -167,13 +162,13 @@ class ServerSampler:
                 max_tokens=settings.max_new_tokens,
                 temperature=settings.temperature,
                 top_p=settings.top_p,
-                seed=(seed + i) % (1 << 63),
+                seed=settings.request_seed(i),
                 stop_token_ids=settings.stop_ids,
             )
             for i, p in enumerate(prompts)
         ]
         if probe is not None:  # cached, then fresh (prompt logprobs bypass the prefix cache)
-            common = dict(temperature=0.0, top_p=1.0, seed=seed, ignore_eos=True)
+            common = dict(temperature=0.0, top_p=1.0, seed=settings.seed, ignore_eos=True)
             common["max_tokens"] = min(CONTINUATION_TOKENS, settings.max_new_tokens)
             bodies[:0] = [
                 _completion(probe, **common),

@@ -139,14 +139,9 @@ class VLLMSampler:
             self.llm.reset_prefix_cache()
 
     def sample(
-        self,
-        prompts: list[list[int]],
-        settings: SamplingSettings,
-        *,
-        seed: int,
-        probe: list[int] | None = None,
+        self, prompts: list[list[int]], settings: SamplingSettings, probe: list[int] | None = None
     ) -> tuple[Rollout, ProbeScores | None]:
-        """One completion per prompt, each request seeded from `seed` and its index
+        """One completion per prompt, each request seeded by `settings.request_seed`
         (temperature 0 is greedy), and the weight-sync probe's scores (`probe`).
 
         The probe rides in the same engine call, ahead of the rollout's requests: a
@@ -165,14 +160,16 @@ class VLLMSampler:
                 max_tokens=settings.max_new_tokens,
                 logprobs=0,  # the sampled token's own logprob
                 stop_token_ids=settings.stop_ids,
-                seed=(seed + i) % (1 << 63),
+                seed=settings.request_seed(i),
                 detokenize=False,
             )
             for i in range(len(prompts))
         ]
         requests = [vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts]
         if probe is not None:  # cached, then fresh (prompt logprobs bypass the prefix cache)
-            common = dict(temperature=0.0, top_p=1.0, logprobs=0, ignore_eos=True, seed=seed)
+            common = dict(
+                temperature=0.0, top_p=1.0, logprobs=0, ignore_eos=True, seed=settings.seed
+            )
             common["max_tokens"] = min(CONTINUATION_TOKENS, settings.max_new_tokens)
             params[:0] = [
                 vllm.SamplingParams(detokenize=False, **common),

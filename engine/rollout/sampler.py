@@ -23,19 +23,25 @@ from grpod.engine.weight_sync import ProbeScores, PushFaults
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How every backend samples a step: the budget, the distribution and the stop."""
+    """How every backend samples a step: the budget, the distribution, the stop and the seed."""
 
     max_new_tokens: int
     temperature: float  # 0: greedy
     top_p: float
     eos_token_id: int | list[int]  # any of them ends a completion
     pad_token_id: int
+    seed: int  # the step's: request i of a step draws from `request_seed(i)`
 
     @property
     def stop_ids(self) -> list[int]:
         """The stop tokens as a list (a backend's request field)."""
         eos = self.eos_token_id
         return [eos] if isinstance(eos, int) else list(eos)
+
+    def request_seed(self, index: int) -> int:
+        """The seed of a step's `index`-th request: the step's seed plus the index, kept
+        within the non-negative int64 a vLLM request takes."""
+        return (self.seed + index) % (1 << 63)
 
 
 @dataclass
@@ -62,15 +68,10 @@ class Sampler(Protocol):
         ...
 
     def sample(
-        self,
-        prompts: list[list[int]],
-        settings: SamplingSettings,
-        *,
-        seed: int,
-        probe: list[int] | None = None,
+        self, prompts: list[list[int]], settings: SamplingSettings, probe: list[int] | None = None
     ) -> tuple[Rollout, ProbeScores | None]:
-        """One completion per prompt, seeded from `seed` (temperature 0 is greedy), and the
-        scores of the weight-sync probe when `probe` is given (None otherwise)."""
+        """One completion per prompt, seeded from `settings.seed` (temperature 0 is greedy),
+        and the scores of the weight-sync probe when `probe` is given (None otherwise)."""
         ...
 
     def close(self) -> None:

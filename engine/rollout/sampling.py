@@ -173,7 +173,7 @@ class Sampling:
         self.drain()  # a push must not land under a rollout in flight
         self._refresh_copy()
         check = self._push_and_check(step, seed)
-        settings = self._settings(None)
+        settings = self._settings(None, seed)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead")
         future: Future[Rollout] = Future()
@@ -182,7 +182,7 @@ class Sampling:
         def run() -> None:
             started = time.perf_counter()
             try:
-                rollout, _ = self.vllm.sample(prompts, settings, seed=seed)
+                rollout, _ = self.vllm.sample(prompts, settings)
             except BaseException as exc:  # raised again where the rollout is taken
                 future.set_exception(exc)
             else:
@@ -251,7 +251,7 @@ class Sampling:
         return on_node_leader(self.parallel, push_and_check)
 
     def _probe_check(self, seed: int) -> WeightSyncCheck:
-        _, scores = self.vllm.sample([], self._settings(None), seed=seed, probe=self.probe)
+        _, scores = self.vllm.sample([], self._settings(None, seed), probe=self.probe)
         return self._check_sampler(scores)
 
     def _agree(self, failure: BaseException | None) -> None:
@@ -263,7 +263,7 @@ class Sampling:
                 "the node's rollout server failed a peer rank's rollout (that rank's line says how)"
             )
 
-    def _settings(self, temperature: float | None) -> SamplingSettings:
+    def _settings(self, temperature: float | None, seed: int) -> SamplingSettings:
         cfg = self.config
         return SamplingSettings(
             max_new_tokens=cfg.max_new_tokens,
@@ -271,6 +271,7 @@ class Sampling:
             top_p=cfg.top_p,
             eos_token_id=self.stop_token_ids,
             pad_token_id=self.tokenizer.pad_token_id,
+            seed=seed,
         )
 
     def _sample(
@@ -279,14 +280,14 @@ class Sampling:
         """Completions from the configured backend: the torch sampler, or vLLM (whose call
         also scores the weight-sync probe, unless checked apart; its check is the
         `sync_check` phase)."""
-        settings = self._settings(temperature)
+        settings = self._settings(temperature, seed)
         if self.vllm is not None and not probe:  # pushed and checked by `_push_and_check`
-            return self.vllm.sample(prompts, settings, seed=seed)[0]
+            return self.vllm.sample(prompts, settings)[0]
         if self.vllm is not None:  # pushed by `_push_to_sampler`
-            rollout, scores = self.vllm.sample(prompts, settings, seed=seed, probe=self.probe)
+            rollout, scores = self.vllm.sample(prompts, settings, probe=self.probe)
             self.weight_sync = self._check_sampler(scores)
             return rollout
-        return self.torch_sampler.sample(prompts, settings, seed=seed)[0]
+        return self.torch_sampler.sample(prompts, settings)[0]
 
     def _push_to_sampler(self, step: int | None) -> None:
         """Push the rollout model's weights into vLLM (started on first use); its rollout

@@ -190,14 +190,9 @@ class TorchSampler:
         """Nothing to take: `model` is the module this sampler samples."""
 
     def sample(
-        self,
-        prompts: list[list[int]],
-        settings: SamplingSettings,
-        *,
-        seed: int,
-        probe: list[int] | None = None,
+        self, prompts: list[list[int]], settings: SamplingSettings, probe: list[int] | None = None
     ) -> tuple[Rollout, ProbeScores | None]:
-        """`sample` on the model, with a generator seeded `seed` on the model's device."""
+        """`sample` on the model, with a generator seeded `settings.seed` on the model's device."""
         cfg = self.config
         device = next(self.model.parameters()).device
         rollout = sample(
@@ -208,7 +203,7 @@ class TorchSampler:
             top_p=settings.top_p,
             eos_token_id=settings.eos_token_id,
             pad_token_id=settings.pad_token_id,
-            generator=torch.Generator(device).manual_seed(seed),
+            generator=torch.Generator(device).manual_seed(settings.seed),
             dtype=cfg.dtype,
             decoder=cfg.rollout_decoder,
             kv_cache=cfg.kv_cache_spec,

@@ -45,14 +45,7 @@ class ForwardBackward:
         # the accounting fault runs chunks in reverse: the step then reads chunk 0 of the last micro
         reverse = config.chunk_order == "reverse" or faults.per_micro_accounting
         self.chunk_order = "reverse" if reverse else "forward"
-        self.loss_settings = LossSettings(
-            kind=config.loss,
-            eps_low=config.eps_low,
-            eps_high=config.eps_high,
-            logratio_clamp=config.logratio_clamp,
-            tis_cap=config.tis_cap,
-            kl_beta=config.kl_beta,
-        )
+        self.loss_settings = LossSettings.of(config)
 
     def run(self, batch: TransportBatch, reference: torch.Tensor | None) -> StepStats:
         """Forward + backward over every micro of `batch`; `reference`: the KL reference's

@@ -7,9 +7,13 @@ is recomputed in the backward pass, so the full `[tokens, vocab]` logits never e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from grpod.engine.config import EngineConfig
 
 _FP32_MIN, _FP32_MAX = torch.finfo(torch.float32).min, torch.finfo(torch.float32).max
 
@@ -22,6 +26,12 @@ class LossSettings:
     logratio_clamp: float = 20.0
     tis_cap: float = 0.0
     kl_beta: float = 0.0
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> LossSettings:
+        """`config`'s loss settings: the kind is its `loss`, the rest its fields by name."""
+        same = {f.name: getattr(config, f.name) for f in fields(cls) if f.name != "kind"}
+        return cls(kind=config.loss, **same)
 
 
 @dataclass

@@ -5,12 +5,16 @@ it. The temporary name is `.<name>.tmp-<pid>`: hidden, and attributable to the p
 left it. `fsync` is the piece, for writers that batch it (the blob store publishes a group of
 staged files with one directory fsync).
 
+`file_sha256` reads a file's digest back in blocks (a model or a checkpoint need not fit in
+memory).
+
 `private_umask` is where the modes of everything grpod writes come from: at most
 group-readable (0750 / 0640), whatever the shell's umask (docs/SECURITY.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -18,6 +22,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 PRIVATE_UMASK = 0o027  # no write for the group, nothing for others
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The hex sha256 of the file at `path`, read 1 MiB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def private_umask() -> int:

@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 
-def lazy_exports(package: str, where: dict[str, str]) -> Callable[[str], Any]:
-    """A module `__getattr__` for `package` that imports `name` from module `where[name]`.
+def lazy_exports(package: str, where: dict[str, str]) -> tuple[list[str], Callable[[str], Any]]:
+    """`package`'s `__all__` (the names of `where`, sorted) and a module `__getattr__` that
+    imports `name` from module `where[name]`:
+
+        __all__, __getattr__ = lazy_exports(__name__, {"Engine": "grpod.engine.grpo.trainer"})
 
     An exported name may not also be a submodule's: importing `package.name` binds the
     package's attribute to the module, and the export would then read as the module or the
@@ -35,4 +38,4 @@ def lazy_exports(package: str, where: dict[str, str]) -> Callable[[str], Any]:
         setattr(sys.modules[package], name, value)  # later lookups skip this function
         return value
 
-    return __getattr__
+    return sorted(where), __getattr__

@@ -28,10 +28,15 @@ from typing import Any
 import torch
 
 from grpod.base.jsonsafe import to_json
-from grpod.engine.verdict import Action, Outcome
+from grpod.engine.verdict import Outcome
 from grpod.forensics.errors import ForensicsError
-from grpod.forensics.step_replay import ReplayResult, bit_equal, replay_plan
-from grpod.forensics.store import Store
+from grpod.forensics.step_replay import (
+    ReplayResult,
+    bit_equal,
+    classify,
+    opened_plan,
+    plan_fields,
+)
 from grpod.integrations.trl_batch import micro_inputs
 
 COMPARED = ("valid_tokens", "expected_valid_tokens", "loss", "grad_norm")
@@ -49,15 +54,9 @@ def replay(
     store_url: str = "",
 ) -> ReplayResult:
     """Replay `step` (or the step of `incident_id`) of a guarded TRL run in `run_dir`."""
-    if (step is None) == (incident_id is None):
-        raise ForensicsError("replay: give exactly one of an incident id or --step")
-    store = Store(run_dir, store_url, create=False)
-    try:
-        store.check_schema()
-        config, _versions, checkpoint, plan = replay_plan(store, step, incident_id)
+    with opened_plan(run_dir, store_url, step, incident_id) as (store, planned):
+        config, _versions, checkpoint, plan = planned
         path = store.checkpoint_path(checkpoint)
-    finally:
-        store.close()
     if any(item.batch.world_size > 1 for item in plan):
         raise ForensicsError(
             f"step {plan[-1].report.step}: recorded under several processes; replay of a "
@@ -79,23 +78,16 @@ def replay(
                 if diverged_field is not None:
                     diverged_at = item.report.step
             replayed = numbers
-    target = plan[-1]
     reproduced = diverged_at is None
-    bad = target.row.verdict_action != Action.PASS.name or target.row.outcome != Outcome.APPLIED
     return ReplayResult(
         reproduced=reproduced,
-        step=target.report.step,
-        recorded={k: to_json(v) for k, v in _recorded(target.report).items()},
+        recorded={k: to_json(v) for k, v in _recorded(plan[-1].report).items()},
         replayed={k: to_json(v) for k, v in replayed.items()},
-        classification=("persistent" if bad else "healthy") if reproduced else "transient",
+        classification=classify(plan[-1], reproduced),
         diverged_at=diverged_at,
         field=diverged_field,
-        outcome=target.row.outcome,
-        verdict_action=target.row.verdict_action,
-        checkpoint_step=checkpoint.step,
-        steps_replayed=len(plan),
-        incident_id=incident_id,
         note="TRL run: valid_tokens is the recorded num_items_in_batch TRL divided by",
+        **plan_fields(plan, checkpoint, incident_id),
     )
 
 

@@ -1,11 +1,11 @@
 """Where a guarded TRL run meets the run directory, the flight recorder and the metrics.
 
-The one module of the integration that calls `FlightRecorder`, `Metrics` and `RunDir`, so a
-change of their APIs is followed here alone. Rank 0 owns the run directory (the same layout
-as `grpod run`'s: `run.json`, `config.toml`, `status.json`, `grpod.sqlite`, `blobs/`) and
-the store; every rank calls `publish` (the step's batches are gathered to rank 0), which is
-the daemon's own `StepSink` (daemon/sink.py): a TRL step is recorded and published exactly
-as a `grpod run` step.
+The one module of the integration that calls `FlightRecorder`, `StepSink.publishing` (the
+metrics) and `RunDir`, so a change of their APIs is followed here alone. Rank 0 owns the
+run directory (the same layout as `grpod run`'s: `run.json`, `config.toml`, `status.json`,
+`grpod.sqlite`, `blobs/`) and the store; every rank calls `publish` (the step's batches are
+gathered to rank 0), which is the daemon's own `StepSink` (daemon/sink.py): a TRL step is
+recorded and published exactly as a `grpod run` step.
 """
 
 from __future__ import annotations
@@ -119,16 +119,16 @@ class RunSink:
         self.recorder.start_run(
             self.run_id, {**config.to_json(), "trl": trl_config}, versions, device
         )
-        self.metrics = Metrics(self.registry, versions)
-        self.rank_metrics = RankMetrics(self.registry, self.rank)
-        self.steps = StepSink(
+        self.steps = StepSink.publishing(
             self.recorder,
-            metrics=self.metrics,
-            rank_metrics=self.rank_metrics,
+            self.registry,
+            versions,
+            self.rank,
             status=self.status,
             health=self.health,
             rerun_through=-1 if last is None else last,
         )
+        self.metrics, self.rank_metrics = self.steps.metrics, self.steps.rank_metrics
         host, port = self.metrics_address
         if port is not None:
             self.server = HealthServer(host, port, self.registry, self.health)

@@ -13,7 +13,7 @@ def _package(root: Path, name: str, exports: str) -> None:
     (root / name).mkdir()
     (root / name / "__init__.py").write_text(
         "from grpod.base.lazy import lazy_exports\n"
-        f"__getattr__ = lazy_exports(__name__, {exports})\n"
+        f"__all__, __getattr__ = lazy_exports(__name__, {exports})\n"
     )
     (root / name / "work.py").write_text("def work():\n    return 'the function'\n")
 

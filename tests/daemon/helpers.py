@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from grpod.guards.workloads import W2_GEOMETRY
+
 GRPOD = str(Path(sys.executable).with_name("grpod"))
 
 TINY_ENGINE = {
@@ -30,11 +32,20 @@ TINY_ENGINE = {
 }
 # W2 (long prompts, 256-token rows in 4 sequence chunks), one row per micro: the torchrun
 # tests' and benches' engine (bench/common.py `W2_ENGINE`)
+# W1c's copy task through a vLLM server (truncated importance sampling on): the server
+# campaigns' engine (tests/vllm/test_server*.py, bench/server_torchrun.py), which add their
+# new-token budget and staleness
+SERVER_ENGINE = {
+    "rollout_backend": "vllm-server",
+    "task": "copy",
+    "prompts_per_step": 4,
+    "group_size": 4,
+    "seq_len": 64,
+    "threads": 1,
+    "tis_cap": 2.0,
+}
 W2_ENGINE = {
-    "task": "kv-retrieval",
-    "seq_len": 256,
-    "sequence_chunks": 4,
-    "lmhead_chunks": 4,
+    **W2_GEOMETRY,
     "prompts_per_step": 4,
     "group_size": 4,
     "micro_batch_rows": 1,

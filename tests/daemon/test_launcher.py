@@ -15,7 +15,13 @@ import pytest
 from grpod.daemon import launcher
 from grpod.daemon.commands.run import register
 from grpod.daemon.notify import Notifier
-from tests.daemon.helpers import GRPOD, TINY_ENGINE, NotifySocket, wait_until, write_config
+from tests.daemon.helpers import (
+    TINY_ENGINE,
+    NotifySocket,
+    cli,
+    wait_until,
+    write_config,
+)
 
 TERM, INT = signal.SIGTERM, signal.SIGINT
 
@@ -114,13 +120,8 @@ def test_bad_input_is_refused_by_the_agent_before_any_rank_starts(tmp_path: Path
     config = write_config(
         tmp_path / "grpod.toml", {"engine": {**TINY_ENGINE, "prompts_per_step": 3}}
     )
-    done = subprocess.run(
-        [GRPOD, "run", "--nproc-per-node", "2", "--config", str(config), "--run-dir", "run"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    args = ["--nproc-per-node", "2", "--config", str(config), "--run-dir", "run"]
+    done = cli("run", *args, cwd=tmp_path, timeout=120)
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         "grpod run: error: engine.prompts_per_step: 3 groups do not split evenly over 2 ranks"
@@ -130,13 +131,8 @@ def test_bad_input_is_refused_by_the_agent_before_any_rank_starts(tmp_path: Path
 
 @pytest.mark.slow  # a `grpod run` subprocess
 def test_a_launcher_option_torchrun_refuses_is_one_line(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [GRPOD, "run", "--nproc-per-node", "2", "--nnodes", "2:1", "--run-dir", "run"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    args = ["--nproc-per-node", "2", "--nnodes", "2:1", "--run-dir", "run"]
+    done = cli("run", *args, cwd=tmp_path, timeout=120)
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
     assert done.stderr.startswith("grpod run: error: launcher: ")
     assert not (tmp_path / "run").exists()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.helpers import GRPOD, free_port, tiny_config
+from tests.daemon.helpers import cli, free_port, tiny_config
 
 HONEST = """
 def score(prompt: str, completion: str, answer: str) -> float:
@@ -35,13 +35,7 @@ def test_replay_never_imports_the_runs_reward_modules(tmp_path: Path) -> None:
     elsewhere.mkdir()
     (work / "colleague_reward.py").write_text(HONEST)
     tiny_config(work / "grpod.toml", free_port(), {"rewards": ["colleague_reward:score"]})
-    run = subprocess.run(
-        [GRPOD, "run", "--config", "grpod.toml", "--run-dir", "run", "--max-steps", "3"],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = cli("run", "--config", "grpod.toml", "--run-dir", "run", "--max-steps", "3", cwd=work)
     assert run.returncode == 0, run.stderr
     marker = tmp_path / "marker"
     (work / "colleague_reward.py").write_text(HOSTILE.format(marker=str(marker)))
@@ -51,13 +45,7 @@ def test_replay_never_imports_the_runs_reward_modules(tmp_path: Path) -> None:
     assert live.returncode == 0 and marker.read_text() == "imported"  # the module is live
     marker.unlink()
 
-    replay = subprocess.run(
-        [GRPOD, "replay", "--run-dir", str(work / "run"), "--step", "2", "--json"],
-        cwd=elsewhere,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    replay = cli("replay", "--run-dir", str(work / "run"), "--step", "2", "--json", cwd=elsewhere)
     assert replay.returncode == 0, replay.stderr
     assert json.loads(replay.stdout)["reproduced"] is True
     assert not marker.exists()

@@ -65,6 +65,13 @@ def launcher(*args: str) -> list[str]:
     return [GRPOD, "run", "--nproc-per-node", "2", *args]
 
 
+def replay_result(command: list[str], timeout: float = 120) -> dict:
+    """The result of a `grpod replay ... --json` (alone, or under torchrun) that succeeded."""
+    done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def events(text: str, name: str) -> dict[int, dict]:
     """The last log event `name` of each rank."""
     found = {}
@@ -199,21 +206,14 @@ def test_sigterm_to_the_agent_checkpoints_every_rank_then_resume_and_replay(tmp_
             r["valid_tokens"] for r in report["rank_reports"]
         )
 
-    replayed = subprocess.run(
-        torchrun("replay", "--run-dir", str(run_dir), "--step", str(last), "--json"),
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    replay = torchrun("replay", "--run-dir", str(run_dir), "--step", str(last), "--json")
+    result = replay_result(replay, timeout=180)
     rank_valid = [scraped[f'grpod_rank_valid_tokens{{rank="{r}"}}'] for r in (0, 1)]
     scraped_report = json.loads(rows[int(scraped["grpod_step"])][1])  # rows: one per step
     assert rank_valid == [r["valid_tokens"] for r in scraped_report["rank_reports"]]
     assert scraped["grpod_global_valid_tokens"] == sum(rank_valid)
     assert scraped['grpod_rank_phase_duration_seconds{phase="grad",rank="1"}'] > 0
 
-    assert replayed.returncode == 0, replayed.stderr[-3000:]
-    result = json.loads(replayed.stdout.strip().splitlines()[-1])
     assert result["reproduced"] is True, result
     assert result["recorded"] == result["replayed"]
     assert result["recorded"]["valid_tokens"] == json.loads(rows[-1][1])["global_valid_tokens"]
@@ -402,26 +402,11 @@ def test_a_ddp_lora_campaign_a_guard_halts_exits_3_and_replays(tmp_path) -> None
     ]
     assert report["global_valid_tokens"] == sum(v for _, v in ranks)
     # one process outside torchrun: the ddp config runs as "none", rank 1's part alone
-    alone = subprocess.run(
-        [GRPOD, "replay", "--run-dir", str(run_dir), "--step", "0", "--rank", "1", "--json"],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    result = json.loads(alone.stdout.strip().splitlines()[-1])
+    replay = ["replay", "--run-dir", str(run_dir), "--step", "0", "--json"]
+    result = replay_result([GRPOD, *replay, "--rank", "1"])
     assert result["reproduced"] is True and result["replayed"]["valid_tokens"] == dict(ranks)[1]
     # the whole 2-rank step in one process: another reduction order, a stated tolerance
-    whole = subprocess.run(
-        [GRPOD, "replay", "--run-dir", str(run_dir), "--step", "0", "--json"],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    result = json.loads(whole.stdout.strip().splitlines()[-1])
+    result = replay_result([GRPOD, *replay])
     topology = "(recorded on 2 ranks, replayed in 1 process: reduction order differs)"
     assert result["reproduced"] in (True, f"within 1e-6 {topology}"), result
 
@@ -527,11 +512,7 @@ def test_lora_under_fsdp2_stops_resumes_replays_and_exports(tmp_path) -> None:
     assert [started[r]["resumed_from"] for r in (0, 1)] == [stop_step, stop_step]
 
     step = ["--run-dir", str(run_dir), "--step", str(stop_step), "--json"]
-    replayed = subprocess.run(
-        torchrun("replay", *step), env=ENV, capture_output=True, text=True, timeout=180
-    )
-    assert replayed.returncode == 0, replayed.stderr[-3000:]
-    result = json.loads(replayed.stdout.strip().splitlines()[-1])
+    result = replay_result(torchrun("replay", *step), timeout=180)
     assert result["reproduced"] is True, result
 
     for kind in (["--adapter"], []):

@@ -8,19 +8,11 @@ import torch
 
 from grpod.engine import EngineConfig, TransportBatch
 from grpod.engine.data.packing import Sample, pack
-from grpod.engine.model.policy import seeded
+from grpod.engine.model.policy import seeded, trunk_sizes
+from grpod.guards.workloads import W2_GEOMETRY
 
 TINY = dict(prompts_per_step=4, group_size=4, task="copy", micro_batch_rows=2, seq_len=32)
-W2 = dict(
-    task="kv-retrieval",
-    seq_len=256,
-    sequence_chunks=4,
-    lmhead_chunks=4,
-    prompts_per_step=4,
-    group_size=2,
-    micro_batch_rows=1,
-    max_new_tokens=2,
-)
+W2 = dict(W2_GEOMETRY, prompts_per_step=4, group_size=2, micro_batch_rows=1, max_new_tokens=2)
 
 
 # the GPU node check (bench/gpu_check.py) runs the engine tests with GRPOD_TEST_DEVICE=cuda
@@ -63,11 +55,7 @@ def tiny_llama() -> torch.nn.Module:
 
     cfg = LlamaConfig(
         vocab_size=15,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
+        **trunk_sizes(hidden=64, intermediate=128, layers=2, heads=8, kv_heads=2),
         max_position_embeddings=64,
         attn_implementation="sdpa",
     )

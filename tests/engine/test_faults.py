@@ -18,6 +18,7 @@ from grpod.engine.faults import (
     SENTINEL_LOGPROB,
     Faults,
 )
+from tests.batches import make_batch
 
 
 def hooks(**config: object) -> Faults:
@@ -83,19 +84,15 @@ def test_faults_fire_only_on_the_ranks_they_name() -> None:
 def _batch(step: int) -> TransportBatch:
     """One micro, one row: sample 0 at positions 0-3 (trained 2-3), sample 1 at 4-7 (6-7)."""
     shape = (1, 1, 8)
-    return TransportBatch(
+    return make_batch(
+        loss_mask=torch.tensor([0, 0, 1, 1, 0, 0, 1, 1], dtype=torch.bool).reshape(shape),
         input_ids=torch.arange(8).reshape(shape),
         position_ids=torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]).reshape(shape),
-        loss_mask=torch.tensor([0, 0, 1, 1, 0, 0, 1, 1], dtype=torch.bool).reshape(shape),
         advantages=torch.ones(shape),
-        sampler_logprobs=None,
         sample_ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.int32).reshape(shape),
-        group_ids=torch.zeros(shape, dtype=torch.int32),
         rewards=torch.tensor([1.0, 0.0]),
-        sample_group_ids=torch.zeros(2, dtype=torch.int32),
         completion_lengths=torch.tensor([2, 2], dtype=torch.int32),
         step=step,
-        config_digest="test",
     )
 
 

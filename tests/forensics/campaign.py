@@ -17,18 +17,10 @@ import torch
 
 from grpod.engine import Engine, EngineConfig, StepReport
 from grpod.forensics import FlightRecorder, ForensicsConfig
+from tests.daemon.helpers import TINY_ENGINE
 from tests.forensics.test_store import decided
 
-TINY = dict(
-    task="arith",
-    prompts_per_step=4,
-    group_size=4,
-    micro_batch_rows=4,
-    seq_len=16,
-    max_new_tokens=2,
-    sequence_chunks=2,
-    threads=1,
-)
+TINY = {**TINY_ENGINE, "task": "arith", "sequence_chunks": 2}  # the daemon tests' tiny engine
 
 
 @dataclass

@@ -21,6 +21,7 @@ from grpod.engine.report import RankReport
 from grpod.forensics import FlightRecorder, ForensicsConfig, ForensicsError, Store, fsck, gc, replay
 from grpod.forensics.incidents import incident_batch
 from grpod.forensics.models import Blob, Step, StepRank
+from tests.batches import make_batch
 from tests.forensics.campaign import TINY, stand_in_run_json
 from tests.forensics.test_store import PASS, _migrate, decided, tiny_batch, tiny_report
 from tests.reports import make_report
@@ -35,19 +36,15 @@ def rank_batch(step: int, micros: int, offset: int) -> TransportBatch:
     mask = torch.zeros(shape, dtype=torch.bool)
     mask[..., 4:] = True
     sample_ids = torch.arange(samples, dtype=torch.int32).reshape(micros, 2, 1).expand(shape)
-    return TransportBatch(
+    return make_batch(
+        loss_mask=mask,
         input_ids=torch.arange(micros * 16).reshape(shape) + offset,
         position_ids=torch.arange(8).repeat(micros, 2, 1),
-        loss_mask=mask,
         advantages=torch.full(shape, 0.5),
-        sampler_logprobs=None,
         sample_ids=sample_ids.contiguous(),
-        group_ids=torch.zeros(shape, dtype=torch.int32),
         rewards=torch.arange(samples, dtype=torch.float32) + offset,
-        sample_group_ids=torch.zeros(samples, dtype=torch.int32),
         completion_lengths=torch.full((samples,), 4, dtype=torch.int32),
         step=step,
-        config_digest="test",
     )
 
 

@@ -19,6 +19,7 @@ from grpod.engine.context import ExecutionContext
 from grpod.forensics import BlobStore, FlightRecorder, ForensicsConfig, ForensicsError, Store
 from grpod.forensics.models import Base, Blob, Checkpoint, Incident, Run, Step
 from grpod.forensics.store import NotedCheckpoint, RunSummary
+from tests.batches import make_batch
 from tests.reports import make_report
 
 
@@ -26,19 +27,15 @@ def tiny_batch(step: int) -> TransportBatch:
     shape = (1, 2, 8)
     mask = torch.zeros(shape, dtype=torch.bool)
     mask[..., 4:] = True
-    return TransportBatch(
+    return make_batch(
+        loss_mask=mask,
         input_ids=torch.arange(16).reshape(shape) + step,
         position_ids=torch.arange(8).repeat(1, 2, 1),
-        loss_mask=mask,
         advantages=torch.full(shape, 0.5),
-        sampler_logprobs=None,
         sample_ids=torch.zeros(shape, dtype=torch.int32),
-        group_ids=torch.zeros(shape, dtype=torch.int32),
         rewards=torch.tensor([1.0, 0.0]),
-        sample_group_ids=torch.zeros(2, dtype=torch.int32),
         completion_lengths=torch.tensor([4, 4], dtype=torch.int32),
         step=step,
-        config_digest="test",
     )
 
 

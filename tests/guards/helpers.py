@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from grpod.engine import StepReport, TransportBatch
+from tests.batches import make_batch
 from tests.reports import make_report
 
 
@@ -23,19 +24,16 @@ def batch(
     loss_mask = loss_mask.reshape(loss_mask.shape[0], rows, -1)  # [micros, rows, seq]
     shape = loss_mask.shape
     rewards_t = torch.tensor(rewards if rewards is not None else [1.0, 0.0], dtype=torch.float32)
-    return TransportBatch(
+    return make_batch(
+        loss_mask=loss_mask,
         input_ids=torch.ones(shape, dtype=torch.int64),
         position_ids=torch.arange(shape[-1]).expand(shape).clone(),
-        loss_mask=loss_mask,
         advantages=loss_mask.float() * advantages,
         sampler_logprobs=None if sampler is None else loss_mask.float() * sampler,
         sample_ids=torch.zeros(shape, dtype=torch.int32),
-        group_ids=torch.zeros(shape, dtype=torch.int32),
         rewards=rewards_t,
-        sample_group_ids=torch.zeros(len(rewards_t), dtype=torch.int32),
         completion_lengths=torch.ones(len(rewards_t), dtype=torch.int32),
         step=step,
-        config_digest="test",
         sequence_chunks=chunks,
     )
 

@@ -16,6 +16,7 @@ from grpod.engine import Engine, EngineConfig
 from grpod.engine.data.tasks import KVRetrievalTask
 from grpod.engine.grpo.step import decide_step
 from grpod.guards import GuardPolicy
+from grpod.guards.workloads import W2_GEOMETRY
 
 STEPS = 24
 
@@ -27,11 +28,9 @@ def w2_dense(tmp_path: Path, **overrides: object) -> Engine:
         "".join(json.dumps({"prompt": p.text, "answer": p.answer}) + "\n" for p in prompts)
     )
     config = dict(
+        W2_GEOMETRY,
         task=str(path),
         reward="tests.guards.rewards:digit_first",
-        seq_len=256,
-        sequence_chunks=4,
-        lmhead_chunks=4,
         max_new_tokens=2,
         prompts_per_step=2,
         group_size=4,

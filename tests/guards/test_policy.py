@@ -11,6 +11,7 @@ from grpod.engine.state.checkpoint import load_checkpoint, save_checkpoint
 from grpod.engine.verdict import Outcome
 from grpod.guards import Action, GuardPolicy, GuardsConfig, GuardsError
 from grpod.guards.policy import GUARD_CLASSES
+from grpod.guards.workloads import W2_GEOMETRY
 from tests.guards.helpers import batch, report
 
 TINY = dict(task="arith", prompts_per_step=2, group_size=4, seq_len=32)
@@ -154,9 +155,7 @@ def test_the_weights_cover_follows_the_engines_parameters() -> None:
 
 def test_skip_fast_skips_the_compute_and_advances_the_cursor() -> None:
     eng = engine(
-        task="kv-retrieval",
-        seq_len=256,
-        sequence_chunks=4,
+        **W2_GEOMETRY,
         prompts_per_step=1,
         group_size=2,
         micro_batch_rows=1,

@@ -35,7 +35,7 @@ def vllm_config(**overrides: object):
 def sampler_vs_trainer(engine: Engine, prompts: list[list[int]], step: int | None = None):
     """vLLM's logprobs of what it sampled for `prompts` against the trainer's: the largest
     absolute difference (nats) of each prompt's completion."""
-    out, completions, _ = engine.generate(prompts, seed=7, step=step)
+    out, completions, _ = engine.sampling.generate(prompts, seed=7, step=step)
     worst = []
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
         trainer = sequence_logprobs(

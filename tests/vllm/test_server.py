@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from grpod.engine.rollout.vllm_server import group_alive
-from tests.daemon.helpers import Grpod, cli, write_config
+from tests.daemon.helpers import SERVER_ENGINE, Grpod, cli, write_config
 
 MAIN_GRPOD = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "grpod"
 DRILL = 2  # the push before this step's rollout corrupts one matrix
@@ -33,16 +33,10 @@ def campaign(work: Path, drill: int = DRILL) -> None:
         work / "grpod.toml",
         {
             "engine": {
-                "rollout_backend": "vllm-server",
-                "task": "copy",
-                "prompts_per_step": 4,
-                "group_size": 4,
+                **SERVER_ENGINE,
                 "max_new_tokens": 4,
-                "seq_len": 64,
                 "weight_sync_probe_tokens": 128,
-                "threads": 1,
                 "max_staleness": 1,
-                "tis_cap": 2.0,
                 "faults": {"weight_sync_corrupt_steps": [drill]},
             },
             "daemon": {
@@ -55,6 +49,47 @@ def campaign(work: Path, drill: int = DRILL) -> None:
             "guards.weight_sync": {"action": "FLUSH"},  # go on after the drill
         },
     )
+
+
+def check_steps(steps: dict[int, dict[str, Any]], failed_step: int, drill: int = DRILL) -> None:
+    """A rank's step events up to the killed server's step: the drill's step skipped by the
+    weight-sync check, the failed step by the rollout guard, every other one trained after a
+    clean sync and at most a version stale; steps 0 and 1 both sampled at version 0."""
+    at_drill = steps[drill]
+    assert at_drill["outcome"] == "skipped", at_drill
+    assert [f["guard"] for f in at_drill["findings"]] == ["weight_sync"], at_drill
+    assert not float(at_drill["weight_sync_max_abs_logprob_diff"]) <= 1e-3, at_drill
+    assert steps[failed_step]["outcome"] == "skipped", steps[failed_step]
+    assert [f["guard"] for f in steps[failed_step]["findings"]] == ["rollout"]
+    trained = [s for s, e in steps.items() if e["outcome"] == "applied"]
+    assert trained == [s for s in range(failed_step) if s != drill], steps
+    assert all(steps[s]["weight_sync_max_abs_logprob_diff"] <= 1e-4 for s in trained)
+    assert all(steps[s]["staleness"] <= 1 for s in trained), steps
+    assert [steps[s]["staleness"] for s in (0, 1)] == [0, 1]
+
+
+def check_records(work: Path, failed_step: int, drill: int = DRILL) -> None:
+    """The campaign's store: an incident for the drill's step and one for the failed step
+    (the killed server's), and nothing half-written."""
+    listed = cli("incidents", "list", "--run-dir", "run", "--json", cwd=work)
+    assert listed.returncode == 0, listed.stderr
+    incidents = {i["guard"]: i for i in json.loads(listed.stdout)}
+    assert incidents["rollout"]["step"] == failed_step, incidents
+    assert incidents["weight_sync"]["step"] == drill, incidents
+    checked = cli("fsck", "--run-dir", "run", cwd=work)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def replay_without_vllm(work: Path, step: int, *args: str) -> dict[str, Any]:
+    """The result of `grpod replay` of `step` (`args`: more options) by the main environment,
+    which has no vLLM: a server-sampled step replays from its batch alone."""
+    assert MAIN_GRPOD.is_file(), "make test-vllm builds .venv first"
+    replay = ["replay", "--run-dir", "run", "--step", str(step), *args, "--json"]
+    done = subprocess.run(
+        [str(MAIN_GRPOD), *replay], cwd=work, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 
 def server_pid(run: Grpod) -> int:
@@ -82,31 +117,15 @@ def test_a_server_campaign_survives_a_killed_server_sigterm_and_replays(tmp_path
     assert first.wait(timeout=1200) == 1, first.stderr[-3000:]
     steps = {e["step"]: e for e in first.steps()}
     assert steps[0]["weight_sync_max_abs_logprob_diff"] <= 1e-4, steps[0]
-    drill = steps[DRILL]
-    assert drill["outcome"] == "skipped", drill
-    assert [f["guard"] for f in drill["findings"]] == ["weight_sync"], drill
-    assert not float(drill["weight_sync_max_abs_logprob_diff"]) <= 1e-3, drill
     failed_step = max(steps)
-    assert failed_step > DRILL + 1 and steps[failed_step]["outcome"] == "skipped", steps
-    assert [f["guard"] for f in steps[failed_step]["findings"]] == ["rollout"]
-    trained = [s for s, e in steps.items() if e["outcome"] == "applied"]
-    assert trained == [s for s in range(failed_step) if s != DRILL], steps
-    assert all(steps[s]["weight_sync_max_abs_logprob_diff"] <= 1e-4 for s in trained)
-    assert all(steps[s]["staleness"] <= 1 for s in trained), steps
-    assert [steps[s]["staleness"] for s in (0, 1)] == [0, 1]  # both launched at version 0
+    assert failed_step > DRILL + 1, steps
+    check_steps(steps, failed_step)
     lines = [line for line in first.stderr.splitlines() if line.startswith("grpod run:")]
     assert len(lines) == 1 and f"step {failed_step}: rollout server unix:/" in lines[0]
     assert "(the server exited with status -9" in lines[0], lines
     assert first.event("stopping")["exit_code"] == 1
     assert not group_alive(killed[0]), "the killed server's engine or workers outlived it"
-
-    listed = cli("incidents", "list", "--run-dir", "run", "--json", cwd=work)
-    assert listed.returncode == 0, listed.stderr
-    incidents = {i["guard"]: i for i in json.loads(listed.stdout)}
-    assert incidents["rollout"]["step"] == failed_step, incidents
-    assert incidents["weight_sync"]["step"] == DRILL, incidents
-    checked = cli("fsck", "--run-dir", "run", cwd=work)
-    assert checked.returncode == 0, checked.stdout + checked.stderr  # nothing half-written
+    check_records(work, failed_step)
 
     def stop_after_the_rerun(event: dict[str, Any]) -> None:
         if event["event"] == "step" and event["step"] == failed_step + 1:
@@ -124,15 +143,6 @@ def test_a_server_campaign_survives_a_killed_server_sigterm_and_replays(tmp_path
     assert [rerun[s]["staleness"] for s in (failed_step, failed_step + 1)] == [0, 1], rerun
     assert not group_alive(server_pid(second)), "the server's process group outlived the daemon"
 
-    assert MAIN_GRPOD.is_file(), "make test-vllm builds .venv first"
     async_step = failed_step + 1  # sampled a version behind the policy that trained on it
-    done = subprocess.run(  # an environment without vLLM replays a server-sampled step
-        [str(MAIN_GRPOD), "replay", "--run-dir", "run", "--step", str(async_step), "--json"],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+    result = replay_without_vllm(work, async_step)
     assert result["reproduced"] is True and result["step"] == async_step, result

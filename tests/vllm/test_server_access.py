@@ -111,7 +111,8 @@ def test_grpods_own_server_is_reachable_by_grpod_alone() -> None:
         assert _tcp_listeners(sampler.process.pid) == []
 
         sampler.push(engine.rollout_model)  # /collective_rpc, /reset_prefix_cache
-        out, completions, _ = engine.generate([[3, 4, 5], [3, 4]], seed=7, step=0)  # probed
+        # a training step's rollout (step=0): the weight-sync probe rides along
+        out, completions, _ = engine.sampling.generate([[3, 4, 5], [3, 4]], seed=7, step=0)
         assert len(completions) == 2 and out.completion_ids.shape[0] == 2
 
         refused = _probe(socket_path, ROUTES, user="nobody", group="nogroup")

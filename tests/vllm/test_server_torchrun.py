@@ -24,13 +24,11 @@ from typing import Any
 import pytest
 
 from grpod.engine.rollout.vllm_server import group_alive
-from tests.daemon.helpers import cli
-from tests.vllm.test_server import campaign
+from tests.vllm.test_server import campaign, check_records, check_steps, replay_without_vllm
 
 pytestmark = pytest.mark.slow
 
 GRPOD = str(Path(sys.executable).with_name("grpod"))
-MAIN_GRPOD = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "grpod"
 DRILL = 1  # the push before this step's rollout corrupts one matrix
 KILL_AFTER = 3  # the server is SIGKILLed once both ranks have logged this step
 MAX_STEPS = 7
@@ -124,18 +122,7 @@ def test_one_server_serves_both_ranks_through_a_drill_a_killed_server_and_a_resu
     failed_step = max(steps[0])
     assert failed_step > KILL_AFTER, steps[0]
     for rank in (0, 1):
-        mine = steps[rank]
-        drill = mine[DRILL]
-        assert drill["outcome"] == "skipped", drill
-        assert [f["guard"] for f in drill["findings"]] == ["weight_sync"], drill
-        assert not float(drill["weight_sync_max_abs_logprob_diff"]) <= 1e-3, drill
-        assert mine[failed_step]["outcome"] == "skipped", mine[failed_step]
-        assert [f["guard"] for f in mine[failed_step]["findings"]] == ["rollout"]
-        trained = [s for s, e in mine.items() if e["outcome"] == "applied"]
-        assert trained == [s for s in range(failed_step) if s != DRILL], mine
-        assert all(mine[s]["weight_sync_max_abs_logprob_diff"] <= 1e-4 for s in trained)
-        assert all(mine[s]["staleness"] <= 1 for s in trained), mine
-        assert [mine[s]["staleness"] for s in (0, 1)] == [0, 1]  # both sampled at version 0
+        check_steps(steps[rank], failed_step, DRILL)
     # one check per push, taken by both ranks: the same numbers on each
     assert all(
         steps[0][s]["weight_sync_max_abs_logprob_diff"]
@@ -149,13 +136,7 @@ def test_one_server_serves_both_ranks_through_a_drill_a_killed_server_and_a_resu
     stopping = first.by_rank("stopping")
     assert [stopping[r][-1]["exit_code"] for r in (0, 1)] == [1, 1], first.tail()
     assert not group_alive(servers[0]), "the killed server's engine or workers outlived it"
-    listed = cli("incidents", "list", "--run-dir", "run", "--json", cwd=work)
-    assert listed.returncode == 0, listed.stderr
-    incidents = {i["guard"]: i for i in json.loads(listed.stdout)}
-    assert incidents["rollout"]["step"] == failed_step, incidents
-    assert incidents["weight_sync"]["step"] == DRILL, incidents
-    checked = cli("fsck", "--run-dir", "run", cwd=work)
-    assert checked.returncode == 0, checked.stdout + checked.stderr  # nothing half-written
+    check_records(work, failed_step, DRILL)
 
     second = Agent(args, work)
     assert second.wait(timeout=1500) == 0, second.tail()
@@ -171,7 +152,6 @@ def test_one_server_serves_both_ranks_through_a_drill_a_killed_server_and_a_resu
     (server,) = second.by_rank("rollout server")[0]
     assert not group_alive(int(server["pid"])), "the server's process group outlived the job"
 
-    assert MAIN_GRPOD.is_file(), "make test-vllm builds .venv first"
     # an async step (sampled a version behind the policy that trained on it) with its own
     # checkpoint: `--rank R` is bit-exact only with no other step replayed before it (else
     # "within 1e-6", by design). Which steps those are depends on where the kill landed.
@@ -182,14 +162,5 @@ def test_one_server_serves_both_ranks_through_a_drill_a_killed_server_and_a_resu
     )
     assert all(rerun[r][async_step]["staleness"] == 1 for r in (0, 1)), rerun
     for rank in (0, 1):  # each rank's part alone, in one process without vLLM
-        replay = ["replay", "--run-dir", "run", "--step", str(async_step), "--rank", str(rank)]
-        done = subprocess.run(
-            [str(MAIN_GRPOD), *replay, "--json"],
-            cwd=work,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, done.stderr
-        result = json.loads(done.stdout)
+        result = replay_without_vllm(work, async_step, "--rank", str(rank))
         assert result["reproduced"] is True and result["step"] == async_step, result

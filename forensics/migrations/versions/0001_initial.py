@@ -10,6 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from grpod.forensics.migrations.columns import run_step_columns
+
 revision = "0001"
 down_revision = None
 branch_labels = None
@@ -40,11 +42,7 @@ def upgrade() -> None:
     )
     op.create_table(
         "steps",
-        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-        sa.Column(
-            "run_id", sa.String(128), sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=False
-        ),
-        sa.Column("step", sa.Integer, nullable=False),
+        *run_step_columns(),
         sa.Column("outcome", sa.String(16), nullable=False),
         sa.Column("rerun", sa.Boolean, nullable=False),
         sa.Column("verdict_action", sa.String(8), nullable=False),
@@ -83,11 +81,7 @@ def upgrade() -> None:
     op.create_index("ix_steps_run_step", "steps", ["run_id", "step"])
     op.create_table(
         "checkpoints",
-        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-        sa.Column(
-            "run_id", sa.String(128), sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=False
-        ),
-        sa.Column("step", sa.Integer, nullable=False),
+        *run_step_columns(),
         sa.Column("path", sa.Text, nullable=False),
         sa.Column("pinned", sa.Boolean, nullable=False),
         sa.Column("deleted", sa.Boolean, nullable=False),
@@ -96,11 +90,7 @@ def upgrade() -> None:
     op.create_index("ix_checkpoints_run_step", "checkpoints", ["run_id", "step"])
     op.create_table(
         "incidents",
-        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-        sa.Column(
-            "run_id", sa.String(128), sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=False
-        ),
-        sa.Column("step", sa.Integer, nullable=False),
+        *run_step_columns(),
         sa.Column("step_id", sa.Integer, sa.ForeignKey("steps.id"), nullable=False),
         sa.Column("action", sa.String(8), nullable=False),
         sa.Column("verdict_json", sa.Text, nullable=False),

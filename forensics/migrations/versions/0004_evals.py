@@ -10,6 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from grpod.forensics.migrations.columns import run_step_columns
+
 revision = "0004"
 down_revision = "0003"
 branch_labels = None
@@ -19,11 +21,7 @@ depends_on = None
 def upgrade() -> None:
     op.create_table(
         "evals",
-        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-        sa.Column(
-            "run_id", sa.String(128), sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=False
-        ),
-        sa.Column("step", sa.Integer, nullable=False),
+        *run_step_columns(),
         sa.Column("samples", sa.Integer, nullable=False),
         sa.Column("temperature", sa.Float, nullable=False),
         sa.Column("rewards_json", sa.Text, nullable=False),

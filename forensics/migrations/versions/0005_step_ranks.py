@@ -13,6 +13,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from grpod.forensics.migrations.columns import row_id
+
 revision = "0005"
 down_revision = "0004"
 branch_labels = None
@@ -22,7 +24,7 @@ depends_on = None
 def upgrade() -> None:
     op.create_table(
         "step_ranks",
-        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        row_id(),
         sa.Column(
             "step_id", sa.Integer, sa.ForeignKey("steps.id", ondelete="CASCADE"), nullable=False
         ),

@@ -189,7 +189,7 @@ def test_an_eval_waits_for_the_rollout_in_flight_before_it_pushes(stand_in, tmp_
     engine = async_engine(server.url, tmp_path)
     train(engine)
     threading.Timer(0.2, gate.release.set).start()  # any delay: the order is what is checked
-    engine.generate([[3, 4]], seed=1)
+    engine.sampling.generate([[3, 4]], seed=1)
     held = max(i for i, r in enumerate(gate.log) if r == "/v1/completions:held")
     last_push = max(i for i, r in enumerate(gate.log) if r == "/collective_rpc")
     assert last_push > held  # never a push under a rollout in flight

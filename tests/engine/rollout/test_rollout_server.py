@@ -162,9 +162,8 @@ def sample(s: ServerSampler, probe: list[int] | None = None):
     return s.sample(
         [[3, 4, 5], [3, 4]],
         SamplingSettings(
-            max_new_tokens=4, temperature=1.0, top_p=1.0, eos_token_id=2, pad_token_id=0
+            max_new_tokens=4, temperature=1.0, top_p=1.0, eos_token_id=2, pad_token_id=0, seed=7
         ),
-        seed=7,
         probe=probe,
     )
 
