@@ -119,3 +119,23 @@ CREATE TABLE step_ranks (
 );
 CREATE UNIQUE INDEX ux_step_ranks_step_rank ON step_ranks (step_id, rank);
 CREATE INDEX ix_step_ranks_run_step_rank ON step_ranks (run_id, step, rank);
+CREATE TABLE prompt_ledger (
+	id INTEGER NOT NULL, 
+	run_id VARCHAR(128) NOT NULL, 
+	step INTEGER NOT NULL, 
+	fate VARCHAR(16) NOT NULL, 
+	prompt_id BIGINT NOT NULL, 
+	epoch INTEGER, 
+	epoch_size INTEGER, 
+	task_row INTEGER, 
+	generation_pass INTEGER NOT NULL, 
+	rank INTEGER NOT NULL, 
+	stale_drops INTEGER NOT NULL, 
+	reason TEXT NOT NULL, 
+	superseded BOOLEAN DEFAULT 0 NOT NULL, 
+	recorded_at DATETIME NOT NULL, 
+	PRIMARY KEY (id), 
+	FOREIGN KEY(run_id) REFERENCES runs (id) ON DELETE CASCADE
+);
+CREATE INDEX ix_prompt_ledger_run_prompt ON prompt_ledger (run_id, prompt_id);
+CREATE INDEX ix_prompt_ledger_run_step ON prompt_ledger (run_id, step);
