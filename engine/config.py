@@ -235,7 +235,7 @@ class EngineConfig(ConfigSection):
     vllm_server_sync_dir: str = Field(
         "",
         description="vllm-server: where weight snapshots are written for the server to load "
-        "(it must see the path); '' = a temporary directory",
+        "(it must see the path); '' = a new directory in /dev/shm (or the temporary directory)",
     )
     vllm_server_timeout_seconds: Positive = Field(
         300.0, description="vllm-server: the longest wait for any one request's answer"

@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 
-from grpod.base.fileio import atomic_dir
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError, SamplerError
 from grpod.engine.rollout.rollout_vllm import (
@@ -90,9 +89,7 @@ class ServerSampler:
         self._own_sync_dir = not config.vllm_server_sync_dir and peer_of is None
         self.sync_dir: Path | None = None  # where the pushes' snapshots go (not a peer's)
         if peer_of is None:
-            self.sync_dir = Path(
-                config.vllm_server_sync_dir or tempfile.mkdtemp(prefix="grpod-vllm-sync-")
-            )
+            self.sync_dir = Path(config.vllm_server_sync_dir or sync_dir_for(model))
             self.sync_dir.mkdir(parents=True, exist_ok=True)
         self._snapshot: Path | None = None
         self._pushes = 0
@@ -123,7 +120,8 @@ class ServerSampler:
 
     def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> None:
         """Write `model`'s weights into a new snapshot, have the server reload from it, then
-        reset its prefix cache."""
+        reset its prefix cache. A snapshot is a transfer, read once by the server right after
+        it is written: never fsynced (a crash loses nothing the checkpoints do not hold)."""
         if self.sync_dir is None:
             raise EngineError("a peer rank pushed to its node's rollout server (local rank 0 does)")
         faults = faults or PushFaults()
@@ -131,10 +129,11 @@ class ServerSampler:
             return
         self._pushes += 1
         snapshot = self.sync_dir / f"weights-{self._pushes:08d}"
-        with atomic_dir(snapshot, replace=True) as tmp:
-            from safetensors.torch import save_file
+        shutil.rmtree(snapshot, ignore_errors=True)  # a previous process's, in a given sync dir
+        snapshot.mkdir(mode=0o700)
+        from safetensors.torch import save_file
 
-            save_file(_unshared(weights_to_push(model, faults)), str(tmp / SNAPSHOT))
+        save_file(_unshared(weights_to_push(model, faults)), str(snapshot / SNAPSHOT))
         answer = self.client.post(
             "/collective_rpc",
             {
@@ -303,6 +302,20 @@ def _unshared(weights: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor
         out[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
         seen.add(tensor.data_ptr())
     return out
+
+
+def sync_dir_for(model: torch.nn.Module) -> str:
+    """A new 0700 directory for the pushes' snapshots: in shared memory (/dev/shm, a tmpfs:
+    the snapshot never touches a disk) when it has room for two snapshots of `model` (the
+    one being read and the next), else the temporary directory."""
+    need = 2 * sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    shm = Path("/dev/shm")
+    try:
+        room = shutil.disk_usage(shm).free if shm.is_dir() and os.access(shm, os.W_OK) else 0
+    except OSError:
+        room = 0
+    where = str(shm) if room >= need else None
+    return tempfile.mkdtemp(prefix="grpod-vllm-sync-", dir=where)
 
 
 def _completion(prompt: list[int], **params: Any) -> dict[str, Any]:
