@@ -45,13 +45,9 @@ import torch
 
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError, SamplerError
-from grpod.engine.rollout.rollout_vllm import (
-    CPU_KV_CACHE_BYTES,
-    ServedModel,
-    to_rollout,
-    weights_to_push,
-)
+from grpod.engine.rollout.rollout_vllm import ServedModel, to_rollout, weights_to_push
 from grpod.engine.rollout.sampler import Rollout, SamplingSettings
+from grpod.engine.rollout.vllm_limits import BLOCK_TOKENS, CPU_KV_CACHE_BYTES
 from grpod.engine.rollout.vllm_server import (
     EXIT_GRACE_SECONDS,
     UNIX_PREFIX,
@@ -281,6 +277,7 @@ def server_argv(config: EngineConfig, served: ServedModel, url: str) -> list[str
         # a prompt prefilled in part rewinds its seeded generator, which a CPU generator
         # cannot: the engine core dies (tests/vllm/test_long_prompts.py)
         argv.append("--no-enable-chunked-prefill")
+        argv += ["--block-size", str(BLOCK_TOKENS["cpu"])]  # vllm_server_args may say otherwise
     return argv + list(config.vllm_server_args)
 
 

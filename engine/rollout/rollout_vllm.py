@@ -31,7 +31,7 @@ from grpod.base.oneline import one_line
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
 from grpod.engine.rollout.sampler import Rollout, SamplingSettings
-from grpod.engine.rollout.vllm_limits import CPU_KV_CACHE_BYTES, served_lengths
+from grpod.engine.rollout.vllm_limits import BLOCK_TOKENS, CPU_KV_CACHE_BYTES, served_lengths
 from grpod.engine.weight_sync import CONTINUATION_TOKENS, ProbeScores, PushFaults
 
 
@@ -116,6 +116,7 @@ class VLLMSampler:
                 # a prompt prefilled in part rewinds its seeded generator, which a CPU
                 # generator cannot: the engine core dies (tests/vllm/test_long_prompts.py)
                 enable_chunked_prefill=self.platform != "cpu",
+                block_size=BLOCK_TOKENS[self.platform],
                 **memory,
             )
         except Exception as exc:  # vLLM raises many types for a model it cannot serve

