@@ -9,12 +9,13 @@ samples (forensics/attribution.py) off the training path, stored with the incide
 
 `submit` only queues (the recorder's writer calls it after an incident's commit). One worker
 thread runs the queue one incident at a time, each in a child process
-(`python -m grpod.forensics.incident_attribution`: niced, `[forensics.attribution] threads`
-torch threads, the torchrun environment removed) that rebuilds the step from the store and
-prints its attribution as one JSON line; the worker stores it (`incident_attributions`,
-schema 0007), or a note instead: a step over `max_samples`, more than `max_pending` waiting,
-a child past `max_seconds` or `max_rss_mib` (stopped), a child that failed (its last line),
-or a daemon that stopped first. Nothing read back is unpickled: the child's JSON only.
+(`python -m grpod.forensics.incident_attribution`: niced and SCHED_IDLE on Linux,
+`[forensics.attribution] threads` torch threads, the torchrun environment removed) that
+rebuilds the step from the store and prints its attribution as one JSON line; the worker
+stores it (`incident_attributions`, schema 0007), or a note instead: a step over
+`max_samples`, more than `max_pending` waiting, a child past `max_seconds` or `max_rss_mib`
+(stopped), a child that failed (its last line), or a daemon that stopped first (its
+`shutdown_wait_seconds` spent). Nothing read back is unpickled: the child's JSON only.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ class AttributionRecord:
                 "step": self.step,
                 "status": self.status,
                 "note": self.note,
-                "seconds": self.seconds,
+                "seconds": data.get("seconds"),  # the attribution's own
+                "process_seconds": self.seconds,  # its child process's wall: start to end
             },
         }
 
@@ -205,9 +207,9 @@ class IncidentAttributor:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
     def close(self, wait_seconds: float | None = None) -> None:
-        """Stop: the attribution in progress gets `wait_seconds` (default the config's
-        `shutdown_wait_seconds`) to finish, then its child is killed; it and every pending
-        one are stored as "attribution not computed: daemon stopped"."""
+        """Stop: the queue gets `wait_seconds` (default the config's
+        `shutdown_wait_seconds`) to finish, then the running child is killed; it and every
+        pending one are stored as "attribution not computed: daemon stopped"."""
         wait = self.config.shutdown_wait_seconds if wait_seconds is None else wait_seconds
         self._deadline = time.monotonic() + wait
         self._stopping.set()
@@ -250,10 +252,10 @@ class IncidentAttributor:
                 f"attribution skipped: {job.behind} incidents were waiting for theirs "
                 f"([forensics.attribution] max_pending = {config.max_pending})"
             )
-        if self._stopping.is_set():
-            return AttributionRecord(job.incident_id, job.step, "stopped", STOPPED)
         if skipped:
             return AttributionRecord(job.incident_id, job.step, "skipped", skipped)
+        if self._stopping.is_set() and time.monotonic() >= self._deadline:
+            return AttributionRecord(job.incident_id, job.step, "stopped", STOPPED)
         return self._run_child(job)
 
     def _run_child(self, job: _Job) -> AttributionRecord:
@@ -362,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with contextlib.suppress(OSError):
         os.nice(args.nice)
+    with contextlib.suppress(AttributeError, OSError):  # Linux: runs only on an idle core,
+        # and a waking trainer thread preempts it at once (nice alone waits for its slice)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
     import torch
 
