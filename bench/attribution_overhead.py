@@ -11,7 +11,8 @@
    over the same daemon's steps without one, in interleaved blocks (order flipped every
    round). Each side waits `--lead` seconds before its block (the child gets past its
    imports); the child is stopped at the block's end. `ratio` is the median over rounds of
-   (seconds without / seconds with) per step; goal >= 0.99.
+   (seconds without / seconds with) per step; goal >= 0.99. `cpu_ratio`: the same of the
+   daemon process's own CPU seconds per step (the child's excluded).
 
 Prints one JSON line (also appended to bench/out/results.jsonl).
 
@@ -21,6 +22,7 @@ Prints one JSON line (also appended to bench/out/results.jsonl).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -70,12 +72,16 @@ def start_daemon(tmp: Path, engine: Any) -> tuple[Daemon, Any]:
     return daemon, log_file
 
 
+CPU: list[float] = []  # the daemon process's CPU seconds of each `steps` call (not children)
+
+
 def steps(daemon: Daemon, count: int) -> float:
-    """Wall seconds of `count` daemon steps."""
-    started = time.perf_counter()
+    """Wall seconds of `count` daemon steps (their CPU seconds appended to CPU)."""
+    started, cpu = time.perf_counter(), time.process_time()
     for _ in range(count):
         with logs.step_context(daemon.engine.step):
             daemon._step()
+    CPU.append(time.process_time() - cpu)
     return time.perf_counter() - started
 
 
@@ -129,6 +135,7 @@ def main() -> int:
     parser.add_argument("--w4", action="store_true", help="also the real model's attribution")
     args = parser.parse_args()
     record: dict[str, Any] = {"bench": "attribution_overhead", "workload": "W1"}
+    load_start = round(os.getloadavg()[0], 2)
     with tempfile.TemporaryDirectory(prefix="grpod-attribution-") as tmp:
         daemon, log_file = start_daemon(Path(tmp), engine_config("arith", faults=POISON))
         try:
@@ -136,6 +143,7 @@ def main() -> int:
             samples = record["w1"]["samples"]
             steps(daemon, 2)  # warm
             times: dict[str, list[float]] = {"off": [], "on": []}
+            cpu: dict[str, list[float]] = {"off": [], "on": []}
             for round_ in range(args.rounds):
                 sides = ["off", "on"] if round_ % 2 == 0 else ["on", "off"]
                 for side in sides:
@@ -144,6 +152,7 @@ def main() -> int:
                     else:
                         wall = off_block(daemon, args.block, args.lead)
                     times[side].append(wall / args.block)
+                    cpu[side].append(CPU[-1] / args.block)
         finally:
             daemon.recorder.close()
             daemon.attributor.close(0.0)
@@ -159,6 +168,10 @@ def main() -> int:
         ratio=round(statistics.median(paired), 4),
         ratio_ci95=[round(x, 4) for x in bootstrap_ci95(paired, statistics.median)],
         goal=0.99,
+        # the daemon's own CPU seconds per step (its threads, not the child's): what a shared
+        # machine's other tenants disturb less than the wall
+        cpu_ratio=round(statistics.median(o / n for o, n in zip(cpu["off"], cpu["on"])), 4),
+        load_avg_1m_start=load_start,
         off_seconds_per_step_by_block=[round(t, 4) for t in times["off"]],
         on_seconds_per_step_by_block=[round(t, 4) for t in times["on"]],
     )
