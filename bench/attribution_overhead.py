@@ -103,6 +103,7 @@ def attribution_seconds(daemon: Daemon) -> dict[str, Any]:
         "samples": len(shown["samples"]),
         "child_seconds": info["process_seconds"],  # its wall: start, imports, replay, passes
         "attribution_seconds": round(info["seconds"], 3),  # inside: replay and passes
+        "seconds_per_sample": round(info["seconds"] / len(shown["samples"]), 3),
         "waited_after_step_seconds": round(waited, 3),
         "steps_replayed": info["steps_replayed"],
         "top_sample": top["index"],
@@ -127,12 +128,42 @@ def off_block(daemon: Daemon, block: int, lead: float) -> float:
     return steps(daemon, block)
 
 
+def ratio_figures(
+    args: argparse.Namespace,
+    times: dict[str, list[float]],
+    cpu: dict[str, list[float]],
+    paired: list[float],
+) -> dict[str, Any]:
+    return {
+        "rounds": args.rounds,
+        "block_steps": args.block,
+        "lead_seconds": args.lead,
+        "off_seconds_per_step": round(statistics.median(times["off"]), 5),
+        "on_seconds_per_step": round(statistics.median(times["on"]), 5),
+        "ratio": round(statistics.median(paired), 4),
+        "ratio_ci95": [round(x, 4) for x in bootstrap_ci95(paired, statistics.median)],
+        "goal": 0.99,
+        # the daemon's own CPU seconds per step (its threads, not the child's): what a shared
+        # machine's other tenants disturb less than the wall
+        "cpu_ratio": round(statistics.median(o / n for o, n in zip(cpu["off"], cpu["on"])), 4),
+        "off_seconds_per_step_by_block": [round(t, 4) for t in times["off"]],
+        "on_seconds_per_step_by_block": [round(t, 4) for t in times["on"]],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--block", type=int, default=32, help="steps per block")
     parser.add_argument("--lead", type=float, default=5.0, help="seconds before each block")
     parser.add_argument("--w4", action="store_true", help="also the real model's attribution")
+    parser.add_argument(
+        "--w4-prompts",
+        type=int,
+        default=8,
+        help="W4's prompts per step (8: the campaign's 32 samples; fewer: a shorter run)",
+    )
+    parser.add_argument("--skip-ratio", action="store_true", help="only the attribution times")
     args = parser.parse_args()
     record: dict[str, Any] = {"bench": "attribution_overhead", "workload": "W1"}
     load_start = round(os.getloadavg()[0], 2)
@@ -144,7 +175,7 @@ def main() -> int:
             steps(daemon, 2)  # warm
             times: dict[str, list[float]] = {"off": [], "on": []}
             cpu: dict[str, list[float]] = {"off": [], "on": []}
-            for round_ in range(args.rounds):
+            for round_ in range(0 if args.skip_ratio else args.rounds):
                 sides = ["off", "on"] if round_ % 2 == 0 else ["on", "off"]
                 for side in sides:
                     if side == "on":
@@ -159,25 +190,15 @@ def main() -> int:
             daemon._close_quietly()
             log_file.close()
     paired = [off / on for off, on in zip(times["off"], times["on"])]
-    record.update(
-        rounds=args.rounds,
-        block_steps=args.block,
-        lead_seconds=args.lead,
-        off_seconds_per_step=round(statistics.median(times["off"]), 5),
-        on_seconds_per_step=round(statistics.median(times["on"]), 5),
-        ratio=round(statistics.median(paired), 4),
-        ratio_ci95=[round(x, 4) for x in bootstrap_ci95(paired, statistics.median)],
-        goal=0.99,
-        # the daemon's own CPU seconds per step (its threads, not the child's): what a shared
-        # machine's other tenants disturb less than the wall
-        cpu_ratio=round(statistics.median(o / n for o, n in zip(cpu["off"], cpu["on"])), 4),
-        load_avg_1m_start=load_start,
-        off_seconds_per_step_by_block=[round(t, 4) for t in times["off"]],
-        on_seconds_per_step_by_block=[round(t, 4) for t in times["on"]],
-    )
+    record["load_avg_1m_start"] = load_start
+    if paired:
+        record.update(ratio_figures(args, times, cpu, paired))
     if args.w4:
         with tempfile.TemporaryDirectory(prefix="grpod-attribution-w4-") as tmp:
-            engine = engine_config(str(W4_CONFIG), faults=POISON, eval_every=0)
+            engine = engine_config(
+                str(W4_CONFIG), faults=POISON, eval_every=0, prompts_per_step=args.w4_prompts
+            )
+            record["w4_prompts_per_step"] = args.w4_prompts
             daemon, log_file = start_daemon(Path(tmp), engine)
             try:
                 record["w4"] = attribution_seconds(daemon)
