@@ -84,11 +84,13 @@ def attribute(
     *,
     store_url: str = "",
     threads: int | None = None,
+    device: str = "",
 ) -> StepAttribution:
     """Attribute recorded step `step` (or the step of `incident_id`) of the run in `run_dir`
     to its samples. `threads`: torch threads instead of each step's recorded count (beside a
     training daemon: forensics/incident_attribution.py); the numbers then differ from the
-    record by rounding, which the note says."""
+    record by rounding, which the note says. `device`: run there instead of the run's device
+    ('': the run's; "cpu" keeps it off the GPU a training daemon uses)."""
     if (step is None) == (incident_id is None):
         raise ForensicsError("replay --by-sample: give exactly one of an incident id or --step")
     started = time.perf_counter()
@@ -96,6 +98,9 @@ def attribute(
     try:
         store.check_schema()
         config, _versions, checkpoint, plan = replay_plan(store, step, incident_id)
+        recorded_device = config.get("engine", {}).get("device", "cpu")
+        if device and device != recorded_device:
+            config = {**config, "engine": {**config.get("engine", {}), "device": device}}
         process = ExecutionContext.capture()
         engine = restore_engine(store, config, checkpoint)
     finally:
@@ -115,6 +120,8 @@ def attribute(
         engine.context = contexts.shell
         process.apply()
     notes = [n for n in contexts.notes() if n]
+    if device and device != recorded_device:
+        notes.append(f"run on {device}, not the run's {recorded_device}")
     recorded_threads = None if target.context is None else target.context.threads
     if threads is not None and threads != recorded_threads:
         notes.append(f"run at {threads} torch thread(s), not the recorded {recorded_threads}")

@@ -36,6 +36,12 @@ class AttributionConfig(BaseModel):
     )
     threads: int = Field(1, ge=1, description="torch threads of the attribution process")
     nice: int = Field(19, ge=0, le=19, description="niceness of the attribution process")
+    device: str = Field(
+        "",
+        pattern=r"^(|cpu|cuda(:\d+)?)$",
+        description="where the attribution runs: '' = the run's device; 'cpu' keeps it off "
+        "the GPU the trainer uses (nice does not share a GPU), at the CPU's speed",
+    )
     shutdown_wait_seconds: float = Field(
         10.0,
         ge=0,

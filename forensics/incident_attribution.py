@@ -150,7 +150,7 @@ def child_command(
     """The child process that attributes one incident and prints its JSON."""
     command = [sys.executable, "-m", MODULE, "--run-dir", str(run_dir)]
     command += ["--incident", str(incident_id), "--threads", str(config.threads)]
-    command += ["--nice", str(config.nice)]
+    command += ["--nice", str(config.nice)] + (["--device", config.device] if config.device else [])
     return command + (["--store-url", store_url] if store_url else [])
 
 
@@ -361,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-url", default="")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--nice", type=int, default=19)
+    parser.add_argument("--device", default="")
     args = parser.parse_args(argv)
     with contextlib.suppress(OSError):
         os.nice(args.nice)
@@ -375,7 +376,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = attribute(
-            args.run_dir, incident_id=args.incident, store_url=args.store_url, threads=args.threads
+            args.run_dir,
+            incident_id=args.incident,
+            store_url=args.store_url,
+            threads=args.threads,
+            device=args.device,
         )
     except ForensicsError as exc:
         print(f"incident {args.incident}: {exc}", file=sys.stderr)

@@ -205,6 +205,8 @@ def test_the_real_child_attributes_a_recorded_incident(run: Path) -> None:
     """The child process the daemon starts: niced, one thread, JSON back, stored."""
     command = child_command(run, 1, AttributionConfig())
     assert command[1:3] == ["-m", "grpod.forensics.incident_attribution"]
+    assert "--device" not in command  # the run's device
+    assert child_command(run, 1, AttributionConfig(device="cpu"))[-2:] == ["--device", "cpu"]
     worker = IncidentAttributor(run)
     worker.submit(1, FAULT_STEP, 16)
     assert worker.wait_idle(300)
