@@ -196,7 +196,8 @@ class IncidentAttributor:
 
     def submit(self, incident_id: int, step: int, num_samples: int) -> None:
         """Queue the attribution of incident `incident_id` (its first step `step`, of
-        `num_samples` samples). Never blocks; after `close` it is stored as stopped."""
+        `num_samples` samples). Never blocks; after `close` nothing runs it (the incident
+        keeps no attribution: `--by-sample` computes one)."""
         with self._lock:
             behind, self._pending = self._pending, self._pending + 1
         self._queue.put(_Job(incident_id, step, num_samples, behind))
@@ -227,7 +228,11 @@ class IncidentAttributor:
             if job is _STOP:
                 return
             try:
-                record = self._decide(job)
+                try:
+                    record = self._decide(job)
+                except Exception as exc:  # the child could not start (its program, memory)
+                    note = f"attribution failed: {type(exc).__name__}: {exc}".splitlines()[0]
+                    record = AttributionRecord(job.incident_id, job.step, "failed", note)
                 self._save(record)
             except BaseException as exc:  # a store that failed: keep draining, never hang
                 self.error = exc

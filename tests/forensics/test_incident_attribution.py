@@ -138,6 +138,16 @@ def test_a_failed_child_leaves_its_last_line(run: Path) -> None:
     assert info["note"] == "attribution failed: incident 1: no checkpoint"
 
 
+def test_a_child_that_cannot_start_is_a_failed_note(run: Path) -> None:
+    worker = attributor(run, lambda incident: [str(run / "no-such-program")])
+    worker.submit(1, FAULT_STEP, 16)
+    assert worker.wait_idle(30)
+    worker.close()
+    info = stored(run)["attribution"]
+    assert info["status"] == "failed" and "FileNotFoundError" in info["note"]
+    assert worker.error is None
+
+
 def test_over_max_pending_is_skipped_and_a_stop_is_bounded(run: Path) -> None:
     """One runs (a child that would take a minute), one waits, the third is one too many;
     the stop kills the child after its wait and notes both as not computed."""
