@@ -26,7 +26,7 @@ class AttributionConfig(BaseModel):
         512, ge=1, description="a step with more samples is skipped (a note says so)"
     )
     max_seconds: float = Field(
-        900.0, gt=0, description="an attribution still running after this is stopped (a note)"
+        3600.0, gt=0, description="an attribution still running after this is stopped (a note)"
     )
     max_rss_mib: int = Field(
         8192, ge=64, description="an attribution whose process grows past this RSS is stopped"
