@@ -47,7 +47,6 @@ MODULE = "grpod.forensics.incident_attribution"
 STATUSES = ("done", "skipped", "failed", "stopped")
 STOPPED = "attribution not computed: daemon stopped"
 POLL_SECONDS = 0.2  # how often a running child's time, memory and the stop are checked
-TOP_SAMPLES = 8  # `incidents show`: the rows printed (the JSON keeps every sample)
 # the child must not join (or wait for) the daemon's process group under torchrun
 TORCHRUN_ENV = (
     "RANK",
