@@ -55,12 +55,13 @@ from grpod.daemon.rundir import Plan
 from grpod.daemon.runinfo import device_name, software_versions
 from grpod.daemon.signals import AbandonStep, Signals
 from grpod.daemon.sink import NoRecorder, Recorder, StepSink
-from grpod.daemon.startup import open_run_dir, start_sampler
+from grpod.daemon.startup import attribute_incidents, open_run_dir, start_sampler
 from grpod.daemon.status_view import StatusView
 from grpod.engine import Engine
 from grpod.engine.config import VLLM_BACKENDS
 from grpod.engine.grpo.eval import Evaluator
 from grpod.engine.verdict import Action
+from grpod.forensics.incident_attribution import AttributionRecord, IncidentAttributor
 from grpod.forensics.ledger import LedgerSpec
 from grpod.guards import GuardPolicy
 
@@ -112,6 +113,7 @@ class Daemon:
         self.engine: Engine | None = None
         self.policy: GuardPolicy | None = None
         self.recorder: Recorder | None = None  # rank 0's flight recorder (NoRecorder elsewhere)
+        self.attributor: IncidentAttributor | None = None  # rank 0's: incidents' attribution
         self.sink: StepSink | None = None  # what happens to a decided step, made in _start
         self.checkpoints: Checkpoints | None = None
         self.evaluations: Evaluations | None = None
@@ -129,6 +131,8 @@ class Daemon:
             if self.recorder is not None:
                 with contextlib.suppress(Exception):
                     self.recorder.close()
+            if self.attributor is not None:
+                self.attributor.close(0.0)
             self._close_quietly()
             if not self.plan.resume and self.run_dir.held is not None:
                 self.run_dir.discard()  # a fresh run that never started must not be resumed
@@ -167,6 +171,8 @@ class Daemon:
         evaluator = Evaluator(self.engine) if cfg.engine.eval_every else None
         self.policy = GuardPolicy(cfg.guards)
         self.recorder = open_run_dir(plan, self.log) if self.rank == 0 else NoRecorder()
+        if self.rank == 0:
+            self.attributor = attribute_incidents(plan, self.recorder, self.log, self._attributed)
         distributed.barrier()
         self._start_services(evaluator)
         restored, self.sink.rerun_through = self.checkpoints.restore()
@@ -330,6 +336,8 @@ class Daemon:
             self.log.error("recorder close failed", error=str(exc))
             code = code or EXIT_FAILURE
         self.sink.observe_recorder(0)  # its uncommitted steps: 0 unless the close failed
+        if self.attributor is not None:  # bounded: what is left says "daemon stopped"
+            self.attributor.close(None if checkpoint else 0.0)
         self.status.write(state, reason=reason, exit_code=code)
         extra: dict[str, Any] = {}
         if self.config.daemon.state_digest_on_exit:
@@ -369,6 +377,10 @@ class Daemon:
             self.server.close()
             self.server = None
         self.notifier.close()
+
+    def _attributed(self, record: AttributionRecord) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_attribution(record)
 
     # ----------------------------------------------------------------- status
     def _metrics_url(self) -> str | None:

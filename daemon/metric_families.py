@@ -13,6 +13,7 @@ from grpod.engine.verdict import Outcome
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8)  # max_staleness is at most 8 (engine config)
 DROP_REASONS = ("stale",)  # engine/rollout/ahead.py
+ATTRIBUTION_STATUSES = ("done", "skipped", "failed", "stopped")  # forensics.incident_attribution
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # gauge name -> StepReport field (None in the report -> NaN on the gauge)
@@ -166,6 +167,22 @@ FAMILIES = (
         "Recorded steps with the finding of an incident's episode",
     ),
     Family("incidents_open", G, "incidents_open", "Incidents whose episode is still open"),
+    Family(
+        "incident_attributions_total",
+        C,
+        "incident_attributions_total",
+        "Incident attributions stored, by status (done; skipped, failed or stopped: a note)",
+        ("status",),
+        series=ATTRIBUTION_STATUSES,
+    ),
+    Family(
+        "incident_attribution",
+        G,
+        "incident_attribution_timestamp_seconds",
+        "Unix time the last incident's attribution was stored, labelled with its incident id, "
+        "step, top sample and the module where a NaN was born (one series: the last)",
+        ("incident", "step", "sample", "module"),
+    ),
     Family(
         "phase_seconds",
         H,

@@ -156,6 +156,19 @@ class Metrics(_Labelled):
                 counter.inc(total - self._seen[key])
                 self._seen[key] = total
 
+    def observe_attribution(self, record: Any, now: float | None = None) -> None:
+        """An incident's attribution was stored (a forensics `AttributionRecord`): counted by
+        status; a computed one replaces the last one's labelled timestamp (the dashboard's
+        annotation names its incident, top sample and NaN module)."""
+        self._child(self.incident_attributions_total, record.status).inc()
+        top = record.top
+        if record.status != "done" or top is None:
+            return
+        module = (record.attribution.get("nonfinite") or {}).get("module", "")
+        self.incident_attribution.clear()
+        labels = (record.incident_id, record.step, top["index"], module)
+        self.incident_attribution.labels(*map(str, labels)).set(time.time() if now is None else now)
+
     def observe_retention(self, report: Any, over_budget_bytes: int) -> None:
         """One retention pass (a forensics GcReport) and how far its peak went over budget."""
         self.retained_bytes.set(report.kept_bytes)

@@ -1,16 +1,18 @@
 """What a start creates before the loop's first step, besides the engine: the rollout
 sampler (vLLM, before READY and before the run dir, so what it refuses creates nothing) and
-rank 0's run directory with its flight recorder."""
+rank 0's run directory with its flight recorder and the attributor of its incidents."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from grpod.daemon.notify import Notifier
 from grpod.daemon.rundir import Plan, link_latest
 from grpod.engine import Engine
 from grpod.engine.config import EngineConfig
+from grpod.forensics.incident_attribution import AttributionRecord, IncidentAttributor
 from grpod.forensics.recorder import FlightRecorder
 
 
@@ -44,3 +46,41 @@ def open_run_dir(plan: Plan, log: Any) -> FlightRecorder:
     recorder = FlightRecorder(plan.run_dir.path, plan.config.forensics)
     recorder.store.lock_run_dir()  # PostgreSQL: one writer per run dir across hosts
     return recorder
+
+
+def attribute_incidents(
+    plan: Plan,
+    recorder: FlightRecorder,
+    log: Any,
+    observe: Callable[[AttributionRecord], None] | None = None,
+) -> IncidentAttributor:
+    """Rank 0: every incident the recorder opens is attributed to its samples off the
+    training path (forensics/incident_attribution.py); each stored result is logged
+    (`incident attributed`) and handed to `observe` (the metrics)."""
+    forensics = plan.config.forensics
+
+    def done(record: AttributionRecord) -> None:
+        top = record.top or {}
+        log.info(
+            "incident attributed",
+            incident=record.incident_id,
+            attributed_step=record.step,
+            status=record.status,
+            note=record.note,
+            seconds=record.seconds,
+            top_sample=top.get("index"),
+            top_share=top.get("share"),
+            nonfinite=(record.attribution or {}).get("nonfinite"),
+        )
+        if observe is not None:
+            observe(record)
+
+    attributor = IncidentAttributor(
+        plan.run_dir.path,
+        forensics.attribution,
+        store_url=forensics.store_url,
+        busy_timeout_ms=forensics.busy_timeout_ms,
+        on_done=done,
+    )
+    recorder.on_incident = attributor.submit
+    return attributor

@@ -82,12 +82,20 @@ def attribute(
     incident_id: int | None = None,
     *,
     store_url: str = "",
+    threads: int | None = None,
+    device: str = "",
 ) -> StepAttribution:
     """Attribute recorded step `step` (or the step of `incident_id`) of the run in `run_dir`
-    to its samples."""
+    to its samples. `threads`: torch threads instead of each step's recorded count (beside a
+    training daemon: forensics/incident_attribution.py); the numbers then differ from the
+    record by rounding, which the note says. `device`: run there instead of the run's device
+    ('': the run's; "cpu" keeps it off the GPU a training daemon uses)."""
     started = time.perf_counter()
     with opened_plan(run_dir, store_url, step, incident_id, "replay --by-sample") as opened:
         store, (config, _versions, checkpoint, plan) = opened
+        recorded_device = config.get("engine", {}).get("device", "cpu")
+        if device and device != recorded_device:
+            config = {**config, "engine": {**config.get("engine", {}), "device": device}}
         process = ExecutionContext.capture()
         engine = restore_engine(store, config, checkpoint)
     if engine.parallel.world_size > 1:
@@ -96,15 +104,20 @@ def attribute(
     contexts = ContextRestore(engine)
     try:
         for item in plan[:-1]:
-            contexts.before(item.context)
+            _before(contexts, item.context, threads)
             rerun_step(engine, item, compute_skipped=False, part=None, alone=False)
-        contexts.before(target.context)
+        _before(contexts, target.context, threads)
         batch = as_run(target.batch, target.report.micro_order)
         result = _attribute(engine, batch, target.report)
     finally:
         engine.context = contexts.shell
         process.apply()
     notes = [n for n in contexts.notes() if n]
+    if device and device != recorded_device:
+        notes.append(f"run on {device}, not the run's {recorded_device}")
+    recorded_threads = None if target.context is None else target.context.threads
+    if threads is not None and threads != recorded_threads:
+        notes.append(f"run at {threads} torch thread(s), not the recorded {recorded_threads}")
     if target.row.outcome == Outcome.SKIPPED:
         notes.append("the step was skipped without compute when recorded: computed now")
     return replace(
@@ -116,6 +129,15 @@ def attribute(
         seconds=time.perf_counter() - started,
         note="; ".join(notes),
     )
+
+
+def _before(
+    contexts: ContextRestore, recorded: ExecutionContext | None, threads: int | None
+) -> None:
+    """Set a step's recorded context on the engine; `threads` overrides its thread count."""
+    contexts.before(recorded)
+    if threads is not None:
+        contexts.engine.context = replace(contexts.engine.context, threads=threads)
 
 
 def only_sample(batch: TransportBatch, sample: int) -> TransportBatch:

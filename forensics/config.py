@@ -12,6 +12,43 @@ from grpod.engine.verdict import ACTION_NAMES, ActionName
 from grpod.forensics.errors import ForensicsError
 
 
+class AttributionConfig(ConfigSection):
+    """Per-sample attribution of each incident's step (forensics/incident_attribution.py),
+    computed by the daemon in a child process off the training path, one at a time."""
+
+    enabled: bool = Field(
+        True,
+        description="attribute the first step of every new incident (`grpod incidents show ID` "
+        "prints its top samples and where a NaN was born); off: only on demand (--by-sample)",
+    )
+    max_samples: int = Field(
+        512, ge=1, description="a step with more samples is skipped (a note says so)"
+    )
+    max_seconds: float = Field(
+        3600.0, gt=0, description="an attribution still running after this is stopped (a note)"
+    )
+    max_rss_mib: int = Field(
+        8192, ge=64, description="an attribution whose process grows past this RSS is stopped"
+    )
+    max_pending: int = Field(
+        8, ge=1, description="incidents waiting their turn; one more is skipped (a note)"
+    )
+    threads: int = Field(1, ge=1, description="torch threads of the attribution process")
+    nice: int = Field(19, ge=0, le=19, description="niceness of the attribution process")
+    device: str = Field(
+        "",
+        pattern=r"^(|cpu|cuda(:\d+)?)$",
+        description="where the attribution runs: '' = the run's device; 'cpu' keeps it off "
+        "the GPU the trainer uses (nice does not share a GPU), at the CPU's speed",
+    )
+    shutdown_wait_seconds: float = Field(
+        10.0,
+        ge=0,
+        description="at exit, how long the daemon waits for the attribution in progress; "
+        "then it and every pending one say 'attribution not computed: daemon stopped'",
+    )
+
+
 class ForensicsConfig(ConfigSection):
     """Where steps are recorded, when an incident opens, and how much history is kept."""
 
@@ -64,6 +101,11 @@ class ForensicsConfig(ConfigSection):
         "prune nothing while running",
     )
     busy_timeout_ms: int = Field(10_000, ge=0, description="SQLite busy_timeout")
+    attribution: AttributionConfig = Field(
+        default_factory=AttributionConfig,
+        description="each new incident's step attributed to its samples by the daemon, in a "
+        "child process off the training path (forensics/incident_attribution.py)",
+    )
 
     @field_validator("store_url")
     @classmethod

@@ -12,6 +12,7 @@ from grpod.base.fileio import atomic_dir
 from grpod.engine import EngineError, TransportBatch
 from grpod.forensics.blobs import BlobStore
 from grpod.forensics.errors import ForensicsError
+from grpod.forensics.incident_attribution import AttributionRecord, load_attribution
 from grpod.forensics.models import Blob, Checkpoint, Incident, Step
 from grpod.forensics.store import Store
 
@@ -32,7 +33,9 @@ def show_incident(
     run_dir: str | os.PathLike, incident_id: int, store_url: str = ""
 ) -> dict[str, Any]:
     """The incident with its verdict, findings and the step's full report; `ranks`: each
-    rank's part of its first and its worst step when distributed, by step and rank."""
+    rank's part of its first and its worst step when distributed, by step and rank;
+    `samples`, `nonfinite` and `attribution`: its first step's stored attribution
+    (forensics/incident_attribution.py; `samples` [] and a note when there is none)."""
     store = Store(run_dir, store_url, create=False)
     try:
         store.check_schema()
@@ -52,6 +55,7 @@ def show_incident(
                 "batch_digest": step.batch_digest,
                 "report": json.loads(step.report_json),
                 "ranks": ranks,
+                **_attribution(session, incident),
             }
     finally:
         store.close()
@@ -116,6 +120,17 @@ def incident_batch(
     except EngineError as exc:
         raise ForensicsError(str(exc)) from None
     return detail, config, batch
+
+
+def _attribution(session: Any, incident: Incident) -> dict[str, Any]:
+    record = load_attribution(session, incident.id)
+    if record is None:
+        note = (
+            "no attribution stored (the daemon computes one per new incident): "
+            f"`grpod incidents show {incident.id} --by-sample` computes it now"
+        )
+        record = AttributionRecord(incident.id, incident.step, "none", note)
+    return record.summary()
 
 
 def _summary(session: Any, incident: Incident) -> dict[str, Any]:

@@ -177,6 +177,28 @@ class Incident(RunStepRow, Base):
     closed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
+class IncidentAttribution(Base):
+    """The per-sample attribution of an incident's first step (schema 0008_incident_samples), computed off
+    the training path (forensics/incident_attribution.py), or why there is none.
+
+    `status`: done (`attribution_json` is `StepAttribution.to_dict()`), skipped (too large,
+    too many pending, attribution off), failed (timed out, over its memory, an error) or
+    stopped (the daemon exited first); `note` says which, in one line.
+    """
+
+    __tablename__ = "incident_attributions"
+    __table_args__ = (Index("ux_incident_attributions_incident", "incident_id", unique=True),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    incident_id: Mapped[int] = mapped_column(ForeignKey("incidents.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    note: Mapped[str] = mapped_column(Text)
+    seconds: Mapped[float | None] = mapped_column(Float)
+    attribution_json: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
 class Eval(RunStepRow, Base):
     """One held-out evaluation (`[engine] eval_task`) of the policy after `step` steps."""
 

@@ -25,6 +25,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -103,8 +104,12 @@ class FlightRecorder:
         config: ForensicsConfig | None = None,
         *,
         upgrade: bool = True,
+        on_incident: Callable[[int, int, int], None] | None = None,
     ) -> None:
         self.config = config or ForensicsConfig()
+        # called on the writer thread once an incident's row is committed: (incident id, its
+        # first step, that step's samples); the daemon queues its attribution there
+        self.on_incident = on_incident
         self.run_dir = Path(run_dir)
         self.store = Store(
             self.run_dir, self.config.store_url, busy_timeout_ms=self.config.busy_timeout_ms
@@ -388,6 +393,7 @@ class FlightRecorder:
         self.blobs.publish([staged.blob for staged in group])  # files complete first
         blobs = {staged.blob.digest: staged.blob for staged in group}
         opened = 0
+        new: list[tuple[Episode, int]] = []  # opened episodes, their first step's samples
         with self.store.session() as session:
             conn = session.connection()
             known = set(conn.scalars(select(Blob.sha256).where(Blob.sha256.in_(list(blobs)))))
@@ -430,6 +436,7 @@ class FlightRecorder:
                 for episode in seen.opened:
                     episode.first_step_id = episode.worst_step_id = step_id
                     episode.verdict_json = staged.row["verdict_json"]
+                    new.append((episode, staged.row["num_samples"]))
                 for episode in seen.worse:
                     episode.worst_step_id = step_id
             if plain:
@@ -448,6 +455,9 @@ class FlightRecorder:
         self.incidents_total += opened
         self.incident_steps_total += affected
         self.open_incidents = len(self.episodes.open)
+        if self.on_incident is not None:
+            for episode, samples in new:
+                self.on_incident(episode.incident_id, episode.first_step, samples)
 
 
 def _now() -> datetime:

@@ -200,6 +200,7 @@ def _incidents_list(args: argparse.Namespace) -> int:
 
 
 def _incidents_show(args: argparse.Namespace) -> int:
+    from grpod.daemon.commands.attribution import incident_attribution, print_incident_attribution
     from grpod.forensics.incidents import incident_batch
     from grpod.guards.trend import evidence_lines
 
@@ -210,15 +211,9 @@ def _incidents_show(args: argparse.Namespace) -> int:
         count = int(config.get("daemon", {}).get("log_samples", 0))
     samples, note = _decoded(config, batch, count) if count > 0 else ([], "")
     examples = _examples(config, batch, detail["findings"])
-    attribution = None
-    if args.by_sample:
-        from grpod.forensics.attribution import attribute
-
-        attribution = attribute(args.run_dir, incident_id=args.id, store_url=args.store_url)
+    # `samples`: the attribution's ranking (stored, or computed now with --by-sample)
+    detail = {**incident_attribution(args, detail), "completions": samples, "examples": examples}
     if args.json:
-        detail = {**detail, "samples": samples, "examples": examples}
-        if attribution is not None:
-            detail["attribution"] = attribution.to_dict()
         print(json.dumps(detail))
         return 0
     print(
@@ -260,10 +255,7 @@ def _incidents_show(args: argparse.Namespace) -> int:
         print(f"    completion: {sample['completion']!r}")
     if note:
         print(f"  note: {note}")
-    if attribution is not None:
-        from grpod.daemon.commands.attribution import print_attribution
-
-        print_attribution(attribution, rows=SHOWN_ROWS)
+    print_incident_attribution(detail, SHOWN_ROWS)
     return 0
 
 

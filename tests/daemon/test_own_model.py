@@ -161,7 +161,7 @@ def test_incident_shows_and_exports_the_decoded_samples(
     _, as_json, _ = campaign.cli(
         capsys, "incidents", "show", ident, "--run-dir", "runs/first", "--json"
     )
-    assert json.loads(as_json)["samples"] == samples[:2]  # log_samples = 2
+    assert json.loads(as_json)["completions"] == samples[:2]  # log_samples = 2
 
 
 def test_eval_never_touches_the_policy_or_the_cursor(

@@ -52,6 +52,8 @@ CONTRACT: dict[str, str] = {
     "grpod_incidents_total": "counter",
     "grpod_incident_steps_total": "counter",
     "grpod_incidents_open": "gauge",
+    "grpod_incident_attributions_total": "counter",
+    "grpod_incident_attribution_timestamp_seconds": "gauge",
     "grpod_phase_duration_seconds": "histogram",
     "grpod_completion_tokens_total": "counter",
     "grpod_completions_total": "counter",

@@ -113,6 +113,12 @@ def test_incident_annotations() -> None:
     assert incidents["enable"] and incidents["datasource"] == DS_REF
     assert "increase(grpod_incidents_total" in incidents["expr"]
     assert incidents["expr"].rstrip().endswith("> 0")
+    attributed = annotations["Incident attribution"]  # at the time its attribution was stored
+    assert attributed["enable"] and attributed["datasource"] == DS_REF
+    assert "grpod_incident_attribution_timestamp_seconds" in attributed["expr"]
+    assert attributed["useValueForTime"] and attributed["expr"].startswith("1000 * ")
+    assert "top sample {{sample}}" in attributed["textFormat"]
+    assert "grpod incidents show {{incident}}" in attributed["textFormat"]
 
 
 def test_every_query_parses_as_promql(tmp_path: Path) -> None:

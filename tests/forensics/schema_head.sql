@@ -139,3 +139,16 @@ CREATE TABLE prompt_ledger (
 );
 CREATE INDEX ix_prompt_ledger_run_prompt ON prompt_ledger (run_id, prompt_id);
 CREATE INDEX ix_prompt_ledger_run_step ON prompt_ledger (run_id, step);
+CREATE TABLE incident_attributions (
+	id INTEGER NOT NULL, 
+	incident_id INTEGER NOT NULL, 
+	step INTEGER NOT NULL, 
+	status VARCHAR(16) NOT NULL, 
+	note TEXT NOT NULL, 
+	seconds FLOAT, 
+	attribution_json TEXT, 
+	created_at DATETIME NOT NULL, 
+	PRIMARY KEY (id), 
+	FOREIGN KEY(incident_id) REFERENCES incidents (id) ON DELETE CASCADE
+);
+CREATE UNIQUE INDEX ux_incident_attributions_incident ON incident_attributions (incident_id);

@@ -287,12 +287,12 @@ def test_a_0004_store_upgrades_and_reads_its_ranks_from_the_report(
     with store.engine.connect() as conn:
         assert not inspect(conn).has_table("step_ranks")
     store.close()
-    with pytest.raises(ForensicsError, match="older than 0007_prompt_ledger"):
+    with pytest.raises(ForensicsError, match="older than 0008_incident_samples"):
         FlightRecorder(tmp_path, ForensicsConfig(store_url=store_url), upgrade=False)
 
     url = ["--store-url", store_url] if store_url else []
     assert main(["db", "upgrade", "--run-dir", str(tmp_path), *url]) == 0
-    assert "revision 0007_prompt_ledger" in capsys.readouterr().out
+    assert "revision 0008_incident_samples" in capsys.readouterr().out
     recorder = recorder_for(tmp_path, store_url)  # a new step records its rows
     batch, report, _ = distributed_step(1, (0.5, 0.5))
     recorder.record(decided(batch, report, PASS, "applied"))
@@ -311,7 +311,7 @@ def test_a_0004_store_upgrades_and_reads_its_ranks_from_the_report(
     with store.engine.connect() as conn:  # the refused downgrade rolled back whole
         assert inspect(conn).has_table("step_ranks")
         assert conn.scalar(select(func.count()).select_from(StepRank)) == 2
-    assert store.revision() == "0007_prompt_ledger"
+    assert store.revision() == "0008_incident_samples"
     store.close()
     assert fsck(tmp_path, store_url).ok
 

@@ -128,7 +128,7 @@ def test_a_store_before_contexts_upgrades_and_replays_as_before(
     run = _copy(recorded, tmp_path)
     store = Store(run)
     _migrate(store, "downgrade", "0005")  # the store as the grpod before 0006 wrote it
-    assert store.upgrade() == "0007_prompt_ledger"
+    assert store.upgrade() == "0008_incident_samples"
     with store.session() as session:
         assert set(session.scalars(select(Step.context_json))) == {None}
     store.close()

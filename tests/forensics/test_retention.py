@@ -126,7 +126,7 @@ def test_incidents_commands(run_copy: Path, tmp_path: Path, capsys: pytest.Captu
 def test_db_upgrade_and_gc_commands(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     run_dir = tmp_path / "fresh"
     assert main(["db", "upgrade", "--run-dir", str(run_dir)]) == 0
-    assert "revision 0007_prompt_ledger" in capsys.readouterr().out
+    assert "revision 0008_incident_samples" in capsys.readouterr().out
     assert main(["gc", "--run-dir", str(run_dir), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["within_budget"] is True
     assert main(["fsck", "--run-dir", str(tmp_path / "missing")]) == 2

@@ -118,7 +118,8 @@ def test_a_store_of_file_blobs_upgrades_and_inline_blobs_refuse_a_downgrade(
     store = Store(tmp_path, store_url)
     _migrate(store, "upgrade", "0001")  # a store written by the grpod before inline blobs
     store.close()
-    with pytest.raises(ForensicsError, match="older than 0007_prompt_ledger"):
+    # this grpod needs the head
+    with pytest.raises(ForensicsError, match="older than 0008_incident_samples"):
         FlightRecorder(tmp_path, ForensicsConfig(store_url=store_url), upgrade=False)
     store = Store(tmp_path, store_url)  # a blob file and its row, as 0001 wrote them
     digest, size = BlobStore(tmp_path).write(tiny_batch(5).tensors(), tiny_batch(5).metadata())
@@ -130,7 +131,7 @@ def test_a_store_of_file_blobs_upgrades_and_inline_blobs_refuse_a_downgrade(
             ),
             {"d": digest, "s": size, "p": f"blobs/sha256/{digest}"},
         )
-    assert store.upgrade() == "0007_prompt_ledger"
+    assert store.upgrade() == "0008_incident_samples"
     with store.session() as session:
         blob = session.get(Blob, digest)
         assert blob.data is None and blob.path == f"blobs/sha256/{digest}"
@@ -141,7 +142,8 @@ def test_a_store_of_file_blobs_upgrades_and_inline_blobs_refuse_a_downgrade(
     store = Store(tmp_path, store_url, create=False)
     with pytest.raises(Exception, match="stored inline; nothing changed"):
         _migrate(store, "downgrade", "0001")
-    assert store.revision() == "0007_prompt_ledger"  # the downgrade rolled back whole
+    # nothing changed: the downgrade rolled back whole
+    assert store.revision() == "0008_incident_samples"
     with store.session() as session:
         assert session.scalar(select(func.count()).where(Blob.data.is_not(None))) == 1
     store.close()

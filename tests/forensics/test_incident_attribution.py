@@ -1,0 +1,228 @@
+"""Incidents carry their attribution (forensics/incident_attribution.py): the queue, its
+bounds (samples, pending, seconds, memory), the notes stored instead, the stop, the
+recorder's hook and the real child process on a recorded incident."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from grpod.daemon.metrics import Metrics
+from grpod.forensics import FlightRecorder, ForensicsConfig, show_incident
+from grpod.forensics.config import AttributionConfig
+from grpod.forensics.incident_attribution import (
+    STOPPED,
+    AttributionRecord,
+    IncidentAttributor,
+    child_command,
+)
+from tests.forensics.campaign import Campaign
+from tests.forensics.conftest import FAULT_STEP
+from tests.forensics.test_store import decided, tiny_batch, tiny_report
+
+ATTRIBUTION = {  # what the child prints: StepAttribution.to_dict(), cut to what is read here
+    "step": FAULT_STEP,
+    "samples": [{"index": 3, "prompt_id": 29, "share": None}, {"index": 0, "prompt_id": 28}],
+    "nonfinite": {"sample": 3, "token": 1, "module": "model.layers.1.mlp.down_proj"},
+    "seconds": 0.5,
+    "note": "",
+}
+
+
+@pytest.fixture
+def run(recorded: Campaign, tmp_path: Path) -> Path:
+    """A copy of the recorded campaign: incident 1 at FAULT_STEP."""
+    copy = tmp_path / "run"
+    shutil.copytree(recorded.run_dir, copy)
+    return copy
+
+
+def python(code: str) -> Any:
+    """A child command that runs `code` (for every incident)."""
+    return lambda incident: [sys.executable, "-c", code]
+
+
+def never(incident: int) -> list[str]:
+    raise AssertionError("no child may start")
+
+
+def stored(run: Path, incident: int = 1) -> dict[str, Any]:
+    return show_incident(run, incident)
+
+
+def attributor(run: Path, command: Any, **config: Any) -> IncidentAttributor:
+    return IncidentAttributor(run, AttributionConfig(**config), command=command)
+
+
+def test_a_done_attribution_is_stored_with_its_incident(run: Path) -> None:
+    records: list[AttributionRecord] = []
+    worker = IncidentAttributor(
+        run,
+        command=python(f"print({json.dumps(json.dumps(ATTRIBUTION))})"),
+        on_done=records.append,
+    )
+    worker.submit(1, FAULT_STEP, 16)
+    assert worker.wait_idle(60)
+    worker.close()
+    shown = stored(run)
+    assert [s["index"] for s in shown["samples"]] == [3, 0]
+    assert shown["nonfinite"]["module"] == "model.layers.1.mlp.down_proj"
+    info = shown["attribution"]
+    assert info["status"] == "done" and info["step"] == FAULT_STEP and info["seconds"] == 0.5
+    assert info["process_seconds"] > 0
+    assert [r.status for r in records] == ["done"] and records[0].top["index"] == 3
+    assert worker.totals["done"] == 1
+
+
+def test_an_incident_without_a_row_says_how_to_compute_it(run: Path) -> None:
+    shown = stored(run)
+    assert shown["samples"] == [] and shown["nonfinite"] is None
+    assert shown["attribution"]["status"] == "none"
+    assert "grpod incidents show 1 --by-sample" in shown["attribution"]["note"]
+
+
+def test_a_step_over_max_samples_is_skipped_with_a_note(run: Path) -> None:
+    worker = attributor(run, never, max_samples=8)
+    worker.submit(1, FAULT_STEP, 16)
+    assert worker.wait_idle(30)
+    worker.close()
+    info = stored(run)["attribution"]
+    assert info["status"] == "skipped"
+    assert "16 samples, over [forensics.attribution] max_samples = 8" in info["note"]
+
+
+def test_attribution_off_stores_a_note_and_starts_nothing(run: Path) -> None:
+    worker = attributor(run, never, enabled=False)
+    worker.submit(1, FAULT_STEP, 16)
+    assert worker.wait_idle(30)
+    worker.close()
+    assert "enabled = false" in stored(run)["attribution"]["note"]
+
+
+def test_a_child_past_max_seconds_is_stopped(run: Path) -> None:
+    worker = attributor(run, python("import time; time.sleep(60)"), max_seconds=0.5)
+    started = time.monotonic()
+    worker.submit(1, FAULT_STEP, 16)
+    assert worker.wait_idle(30)
+    assert time.monotonic() - started < 20
+    worker.close()
+    info = stored(run)["attribution"]
+    assert info["status"] == "failed" and "max_seconds = 0.5" in info["note"]
+
+
+def test_a_child_past_max_rss_is_stopped(run: Path) -> None:
+    grow = "import time; x = bytearray(256 * 2**20); x[::4096] = b'1' * len(x[::4096]); "
+    worker = attributor(run, python(grow + "time.sleep(60)"), max_rss_mib=64)
+    worker.submit(1, FAULT_STEP, 16)
+    assert worker.wait_idle(30)
+    worker.close()
+    info = stored(run)["attribution"]
+    assert info["status"] == "failed" and "max_rss_mib = 64" in info["note"]
+
+
+def test_a_failed_child_leaves_its_last_line(run: Path) -> None:
+    code = "import sys; print('incident 1: no checkpoint', file=sys.stderr); sys.exit(2)"
+    worker = attributor(run, python(code))
+    worker.submit(1, FAULT_STEP, 16)
+    assert worker.wait_idle(30)
+    worker.close()
+    info = stored(run)["attribution"]
+    assert info["status"] == "failed"
+    assert info["note"] == "attribution failed: incident 1: no checkpoint"
+
+
+def test_a_child_that_cannot_start_is_a_failed_note(run: Path) -> None:
+    worker = attributor(run, lambda incident: [str(run / "no-such-program")])
+    worker.submit(1, FAULT_STEP, 16)
+    assert worker.wait_idle(30)
+    worker.close()
+    info = stored(run)["attribution"]
+    assert info["status"] == "failed" and "FileNotFoundError" in info["note"]
+    assert worker.error is None
+
+
+def test_over_max_pending_is_skipped_and_a_stop_is_bounded(run: Path) -> None:
+    """One runs (a child that would take a minute), one waits, the third is one too many;
+    the stop kills the child after its wait and notes both as not computed."""
+    records: list[AttributionRecord] = []
+    worker = IncidentAttributor(
+        run,
+        AttributionConfig(max_pending=2),
+        command=python("import time; time.sleep(60)"),
+        on_done=records.append,
+    )
+    for _ in range(3):
+        worker.submit(1, FAULT_STEP, 16)
+    time.sleep(1.0)  # the first child runs
+    started = time.monotonic()
+    worker.close(0.5)
+    assert time.monotonic() - started < 10  # never waits for the child
+    assert worker.pending == 0
+    assert [(r.status, r.note) for r in records[:2]] == [("stopped", STOPPED)] * 2
+    assert records[2].status == "skipped"
+    assert "2 incidents were waiting" in records[2].note and "max_pending = 2" in records[2].note
+    assert records[0].seconds is not None and records[0].seconds < 5  # its child, killed
+
+
+def test_a_submit_after_close_is_not_run(run: Path) -> None:
+    worker = attributor(run, never)
+    worker.close(0.0)
+    worker.submit(1, FAULT_STEP, 16)  # the recorder's last commit, after the stop
+    assert worker.pending == 1  # nothing runs it: the incident keeps "no attribution"
+    assert stored(run)["attribution"]["status"] == "none"
+
+
+def test_the_recorder_hands_over_each_new_incident(tmp_path: Path) -> None:
+    seen: list[tuple[int, int, int]] = []
+    recorder = FlightRecorder(tmp_path, ForensicsConfig(), on_incident=lambda *a: seen.append(a))
+    recorder.start_run("r", {}, {}, "cpu")
+    finding = {"guard": "finite", "action": "FLUSH", "message": "loss is nan"}
+    flush = {"action": "FLUSH", "findings": [finding]}
+    ok = {"action": "PASS", "findings": []}
+    for step, verdict in enumerate([ok, flush, flush, ok]):
+        recorder.record(decided(tiny_batch(step), tiny_report(step), verdict, "flushed"))
+    recorder.close()
+    assert seen == [(1, 1, 2)]  # one episode (steps 1-2), its first step, its 2 samples
+
+
+def test_the_metrics_label_the_last_attribution() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    metrics.observe_attribution(AttributionRecord(1, 7, "done", "", 2.0, ATTRIBUTION), now=5.0)
+    metrics.observe_attribution(AttributionRecord(2, 9, "skipped", "too large"))
+    metrics.observe_attribution(
+        AttributionRecord(3, 11, "done", "", 2.0, {**ATTRIBUTION, "nonfinite": None}), now=6.0
+    )
+    labels = {"incident": "3", "step": "11", "sample": "3", "module": ""}
+    name = "grpod_incident_attribution_timestamp_seconds"
+    assert registry.get_sample_value(name, labels) == 6.0
+    old = {"incident": "1", "step": "7", "sample": "3", "module": "model.layers.1.mlp.down_proj"}
+    assert registry.get_sample_value(name, old) is None  # one series: the last
+    total = "grpod_incident_attributions_total"
+    assert registry.get_sample_value(total, {"status": "done"}) == 2
+    assert registry.get_sample_value(total, {"status": "skipped"}) == 1
+    assert registry.get_sample_value(total, {"status": "stopped"}) == 0
+
+
+def test_the_real_child_attributes_a_recorded_incident(run: Path) -> None:
+    """The child process the daemon starts: niced, one thread, JSON back, stored."""
+    command = child_command(run, 1, AttributionConfig())
+    assert command[1:3] == ["-m", "grpod.forensics.incident_attribution"]
+    assert "--device" not in command  # the run's device
+    assert child_command(run, 1, AttributionConfig(device="cpu"))[-2:] == ["--device", "cpu"]
+    worker = IncidentAttributor(run)
+    worker.submit(1, FAULT_STEP, 16)
+    assert worker.wait_idle(300)
+    worker.close()
+    shown = stored(run)
+    assert shown["attribution"]["status"] == "done", shown["attribution"]["note"]
+    assert shown["nonfinite"]["module"].startswith("the loss")  # nan_loss: after every module
+    assert shown["samples"][0]["index"] == shown["nonfinite"]["sample"]
+    assert {"index", "prompt_id", "share"} <= set(shown["samples"][0])
