@@ -19,6 +19,7 @@ Two parts, each one invocation with its sides interleaved step by step (`run_loc
   figures of the server's async steps too.
 
     .venv-vllm/bin/python bench/async_steps.py --part throughput [--steps 30] [--workload W1]
+        [--pin]  (W1, W2 or W4; --pin: each server side's server and trainer on a core each)
         [--sides torch,vllm,vllm-server-k0,vllm-server-k1,vllm-server-k2,trl]
     .venv/bin/python bench/async_steps.py --part learning [--steps 300] [--seeds 0 1 2]
 
@@ -28,6 +29,8 @@ Prints one JSON line (also appended to bench/out/results.jsonl).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
@@ -53,18 +56,33 @@ from w1c_learning import THRESHOLDS, first_reach  # noqa: E402
 TIS = {"tis_cap": 2.0}
 
 
-def throughput_worker(conn, backend: str, staleness: int, workload: str) -> None:
+def throughput_worker(conn, backend: str, staleness: int, workload: str, pin: bool = False) -> None:
     set_threads()
+    import torch
+
     from grpod.engine import Engine
     from grpod.engine.grpo.step import decide_step
     from grpod.guards import GuardPolicy
 
-    task, extra = ("arith", {}) if workload == "W1" else ("kv-retrieval", _w2())
+    task, extra = {
+        "W1": ("arith", {}),
+        "W2": ("kv-retrieval", _w2()),
+        "W4": (str(ROOT / "examples/smollm2-arith/grpod.toml"), {}),
+    }[workload]
+    pinned = pin and backend == "vllm-server"
+    if pinned:  # the server grpod starts inherits core 1; its OpenMP threads bind there too
+        extra["threads"] = 1
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(SERVER_CPU)
+        os.environ["OMP_NUM_THREADS"] = "1"  # one core each: no spinning second thread
+        pin_process({SERVER_CPU})
     engine = Engine(
         engine_config(task, rollout_backend=backend, max_staleness=staleness, **TIS, **extra)
     )
     policy = GuardPolicy()
     engine.start_sampler()  # vLLM starts before the first step: not a step of the benchmark
+    if pinned:  # the trainer on core 0 alone, one thread
+        pin_process({TRAINER_CPU})
+        torch.set_num_threads(1)
     engine.take_phase_seconds()
     conn.send(("ready", f"{backend}-k{staleness}"))
     while conn.recv() == "go":
@@ -85,6 +103,18 @@ def throughput_worker(conn, backend: str, staleness: int, workload: str) -> None
     conn.send(("done", peak_rss_mib(), None))
 
 
+# `--pin`: a server side's server on one core and its trainer on the other (a node where the
+# sampler has its own device); the other sides share both cores as usual
+TRAINER_CPU, SERVER_CPU = 0, 1
+
+
+def pin_process(cpus: set[int]) -> None:
+    """Every thread of this process (and what it starts from now on) onto `cpus`."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cpus)
+
+
 def _w2() -> dict:
     keys = ("seq_len", "sequence_chunks", "lmhead_chunks", "prompts_per_step", "group_size")
     return {**{k: W2_ENGINE[k] for k in keys}, **W2_SETTINGS, "micro_batch_rows": 4}
@@ -96,7 +126,7 @@ def throughput(args: argparse.Namespace) -> dict:
         sides[f"vllm-server-k{k}"] = ("vllm-server", k)
     wanted = args.sides.split(",") if args.sides else [*sides, "trl"]
     specs = {
-        name: (throughput_worker, (backend, k, args.workload), {})
+        name: (throughput_worker, (backend, k, args.workload, args.pin), {})
         for name, (backend, k) in sides.items()
         if name in wanted
     }
@@ -136,7 +166,13 @@ def throughput(args: argparse.Namespace) -> dict:
                 ratios[key] = round(
                     out[other]["median_s_per_step"] / out[name]["median_s_per_step"], 3
                 )
-    return {"part": "throughput", "workload": args.workload, **out, **ratios}
+    return {
+        "part": "throughput",
+        "workload": args.workload,
+        "pinned": args.pin,
+        **out,
+        **ratios,
+    }
 
 
 def learning(args: argparse.Namespace) -> dict:
@@ -178,7 +214,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("throughput", "learning"), required=True)
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--workload", choices=("W1", "W2"), default="W1")
+    parser.add_argument("--workload", choices=("W1", "W2", "W4"), default="W1")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="throughput: each vllm-server side's server on core 1, its trainer on core 0",
+    )
     parser.add_argument(
         "--sides", default="", help="throughput: e.g. vllm-server-k0,vllm-server-k1 (default all)"
     )
