@@ -178,7 +178,7 @@ class Incident(RunStepRow, Base):
 
 
 class IncidentAttribution(Base):
-    """The per-sample attribution of an incident's first step (schema 0008_incident_samples), computed off
+    """The per-sample attribution of an incident's first step (schema 0008), computed off
     the training path (forensics/incident_attribution.py), or why there is none.
 
     `status`: done (`attribution_json` is `StepAttribution.to_dict()`), skipped (too large,
