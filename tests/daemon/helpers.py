@@ -71,9 +71,17 @@ def toml_value(value: Any) -> str:
     return repr(value)
 
 
+# The incident attribution (forensics/incident_attribution.py) is on by default: a child
+# process per incident, which the daemon waits for at exit. The suite's daemons turn it off
+# unless a test names the section (tests/daemon/test_incident_attribution.py): on 2 cores
+# every drill's child competed with the other worker's tests.
+ATTRIBUTION_OFF = {"forensics.attribution": {"enabled": False}}
+
+
 def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
     """A grpod.toml from {section: {key: value}}; dotted section names for sub-tables."""
     lines = []
+    sections = {**ATTRIBUTION_OFF, **sections}
     for section, keys in sections.items():
         lines.append(f"[{section}]")
         lines += [f"{key} = {toml_value(value)}" for key, value in keys.items()]

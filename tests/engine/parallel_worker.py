@@ -44,7 +44,9 @@ def main(out: Path) -> None:
             warnings.simplefilter("ignore")
             engine = Engine(EngineConfig.model_validate({**CONFIG, "parallel": mode}))
         modes[mode] = run_steps(engine, out / mode)
-    print(json.dumps({"rank": engine.parallel.rank, "modes": modes}), flush=True)
+    # a file per rank: two ranks printing to one pipe can interleave their lines
+    rank = engine.parallel.rank
+    (out / f"result-{rank}.json").write_text(json.dumps({"rank": rank, "modes": modes}))
     dist.barrier()  # neither rank tears the group down while the other still uses it
     dist.destroy_process_group()
 

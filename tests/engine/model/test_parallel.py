@@ -29,11 +29,11 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 RTOL, WEIGHTS_ATOL = 1e-5, 1e-6
 
 
-def torchrun(module: str, *args: str, nproc: int = 2, timeout: float = 240) -> list[dict]:
-    """Run `module` under a real torchrun; every rank's last JSON line, by rank."""
+def torchrun(module: str, out: Path, nproc: int = 2, timeout: float = 240) -> list[dict]:
+    """Run `module` under a real torchrun; every rank's `out/result-RANK.json`, by rank."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "-m", module, *args],
+        [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "-m", module, str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -41,12 +41,11 @@ def torchrun(module: str, *args: str, nproc: int = 2, timeout: float = 240) -> l
         timeout=timeout,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
-    return sorted(lines, key=lambda line: line["rank"])
+    return [json.loads((out / f"result-{rank}.json").read_text()) for rank in range(nproc)]
 
 
 def test_two_ranks_equal_one_process_and_a_rank_1_fault_flushes_both(tmp_path) -> None:
-    ranks = torchrun("tests.engine.parallel_worker", str(tmp_path))
+    ranks = torchrun("tests.engine.parallel_worker", tmp_path)
     assert [r["rank"] for r in ranks] == [0, 1]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -54,11 +54,13 @@ def healthy(route: str, body: dict[str, Any]) -> tuple[int, bytes] | None:
     if route == "/reset_prefix_cache":
         return 200, b'{"success": true}'
     if route == "/v1/completions":
-        if body.get("prompt_logprobs") == 0:
-            positions = [None, *({str(t): {"logprob": -1.5}} for t in body["prompt"][1:])]
-            return 200, json.dumps(completion([3], [-0.5], prompt_logprobs=positions)).encode()
         n = body["max_tokens"]
-        answer = completion([5] * n, [-0.25, math.nan, -math.inf, -1.0][:n] + [-1.0] * (n - 4))
+        tokens, values = [5] * n, [-0.25, math.nan, -math.inf, -1.0][:n] + [-1.0] * (n - 4)
+        if body.get("prompt_logprobs") == 0:  # the probe's fresh request: the same continuation
+            positions = [None, *({str(t): {"logprob": -1.5}} for t in body["prompt"][1:])]
+            answer = completion(tokens, values, prompt_logprobs=positions)
+        else:
+            answer = completion(tokens, values)
         return 200, json.dumps(answer).encode()  # NaN and -Infinity, as Python writes them
     return 404, b'{"detail": "Not Found"}'
 
@@ -178,7 +180,7 @@ def test_completions_by_token_ids_keep_the_logprobs_as_the_server_gave_them(
     assert out.logprobs[0, 0] == -0.25 and math.isnan(out.logprobs[0, 1])
     assert out.logprobs[0, 2] == -math.inf  # never replaced: the finite guard flushes it
     assert scores.prompt_logprobs == [-1.5] * 3 and scores.cached_tokens == 128
-    assert scores.continuation == [5] * 4
+    assert scores.continuation == scores.fresh_continuation == [5] * 4
 
 
 def test_a_push_writes_one_complete_snapshot_and_reloads_from_it(stand_in, tmp_path: Path) -> None:
