@@ -213,7 +213,7 @@ class Eval(RunStepRow, Base):
     recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
-class PromptFate(Base):
+class PromptFate(RunStepRow, Base):
     """A prompt's fate in the ledger (schema 0007_prompt_ledger; forensics/ledger.py): trained,
     flushed or skipped at `step`, or evaluated. Rows are keyed by (epoch, prompt_id) and carry
     their step; a resumed run supersedes the rows of the steps it re-runs."""
@@ -224,9 +224,7 @@ class PromptFate(Base):
         Index("ix_prompt_ledger_run_step", "run_id", "step"),
     )
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)  # the step that decided it (eval: the cursor)
+    # `step` (RunStepRow): the step that decided it (eval: the cursor)
     fate: Mapped[str] = mapped_column(String(16))  # trained | flushed | skipped | eval
     prompt_id: Mapped[int] = mapped_column(BigInteger)  # its data stream position (eval: index)
     epoch: Mapped[int | None] = mapped_column(Integer)  # prompt_id // epoch_size (eval: NULL)

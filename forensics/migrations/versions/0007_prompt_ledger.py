@@ -13,6 +13,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from grpod.forensics.migrations.columns import run_step_columns
+
 revision = "0007_prompt_ledger"
 down_revision = "0006"
 branch_labels = None
@@ -22,11 +24,7 @@ depends_on = None
 def upgrade() -> None:
     op.create_table(
         "prompt_ledger",
-        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-        sa.Column(
-            "run_id", sa.String(128), sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=False
-        ),
-        sa.Column("step", sa.Integer, nullable=False),
+        *run_step_columns(),
         sa.Column("fate", sa.String(16), nullable=False),
         sa.Column("prompt_id", sa.BigInteger, nullable=False),
         sa.Column("epoch", sa.Integer, nullable=True),

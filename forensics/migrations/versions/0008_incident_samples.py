@@ -15,6 +15,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from grpod.forensics.migrations.columns import row_id
+
 revision = "0008_incident_samples"
 down_revision = "0007_prompt_ledger"
 branch_labels = None
@@ -24,7 +26,7 @@ depends_on = None
 def upgrade() -> None:
     op.create_table(
         "incident_attributions",
-        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        row_id(),
         sa.Column(
             "incident_id",
             sa.Integer,
