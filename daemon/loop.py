@@ -172,7 +172,9 @@ class Daemon:
         self.policy = GuardPolicy(cfg.guards)
         self.recorder = open_run_dir(plan, self.log) if self.rank == 0 else NoRecorder()
         if self.rank == 0:
-            self.attributor = attribute_incidents(plan, self.recorder, self.log, self._attributed)
+            self.attributor = attribute_incidents(
+                plan, self.recorder, self.log, self._attributed, self.engine.device.type
+            )
         distributed.barrier()
         self._start_services(evaluator)
         restored, self.sink.rerun_through = self.checkpoints.restore()

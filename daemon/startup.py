@@ -53,10 +53,12 @@ def attribute_incidents(
     recorder: FlightRecorder,
     log: Any,
     observe: Callable[[AttributionRecord], None] | None = None,
+    run_device: str = "cpu",
 ) -> IncidentAttributor:
     """Rank 0: every incident the recorder opens is attributed to its samples off the
     training path (forensics/incident_attribution.py); each stored result is logged
-    (`incident attributed`) and handed to `observe` (the metrics)."""
+    (`incident attributed`) and handed to `observe` (the metrics). `run_device`: the
+    engine's device type ("cpu", "cuda"), which sets the attribution's default pace."""
     forensics = plan.config.forensics
 
     def done(record: AttributionRecord) -> None:
@@ -81,6 +83,7 @@ def attribute_incidents(
         store_url=forensics.store_url,
         busy_timeout_ms=forensics.busy_timeout_ms,
         on_done=done,
+        run_device=run_device,
     )
     recorder.on_incident = attributor.submit
     return attributor

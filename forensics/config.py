@@ -11,6 +11,8 @@ from grpod.engine.config import ConfigSection, Positive
 from grpod.engine.verdict import ACTION_NAMES, ActionName
 from grpod.forensics.errors import ForensicsError
 
+GPU_RUN_FRACTION = 0.15  # the attribution's share of the trainer's GPU, at most
+
 
 class AttributionConfig(ConfigSection):
     """Per-sample attribution of each incident's step (forensics/incident_attribution.py),
@@ -33,6 +35,22 @@ class AttributionConfig(ConfigSection):
     max_pending: int = Field(
         8, ge=1, description="incidents waiting their turn; one more is skipped (a note)"
     )
+    run_fraction: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="the attribution process's CPU time as a share of its wall time: it "
+        "sleeps whenever it is ahead (forensics/pace.py). 0 = auto: 1 (unpaced) on the CPU, "
+        "where SCHED_IDLE already yields every core the trainer wants; "
+        f"{GPU_RUN_FRACTION} on a GPU, which has no idle priority",
+    )
+
+    def pace(self, run_device: str) -> float:
+        """The run fraction for an attribution of a run on `run_device` (`device` first)."""
+        if self.run_fraction:
+            return self.run_fraction
+        return 1.0 if (self.device or run_device) == "cpu" else GPU_RUN_FRACTION
+
     threads: int = Field(1, ge=1, description="torch threads of the attribution process")
     nice: int = Field(19, ge=0, le=19, description="niceness of the attribution process")
     device: str = Field(

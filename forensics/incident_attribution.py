@@ -10,8 +10,9 @@ samples (forensics/attribution.py) off the training path, stored with the incide
 `submit` only queues (the recorder's writer calls it after an incident's commit). One worker
 thread runs the queue one incident at a time, each in a child process
 (`python -m grpod.forensics.incident_attribution`: niced and SCHED_IDLE on Linux,
-`[forensics.attribution] threads` torch threads, the torchrun environment removed) that
-rebuilds the step from the store and prints its attribution as one JSON line; the worker
+`[forensics.attribution] threads` torch threads, paced to `run_fraction` of a core
+(forensics/pace.py), the torchrun environment removed) that rebuilds the step from the
+store and prints its attribution as one JSON line; the worker
 stores it (`incident_attributions`, schema 0007), or a note instead: a step over
 `max_samples`, more than `max_pending` waiting, a child past `max_seconds` or `max_rss_mib`
 (stopped), a child that failed (its last line), or a daemon that stopped first (its
@@ -41,6 +42,7 @@ from sqlalchemy import select
 from grpod.forensics.config import AttributionConfig
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.models import IncidentAttribution
+from grpod.forensics.pace import FreePipe, Pace
 from grpod.forensics.store import Store
 
 MODULE = "grpod.forensics.incident_attribution"
@@ -144,12 +146,18 @@ def load_attribution(session: Any, incident_id: int) -> AttributionRecord | None
 
 
 def child_command(
-    run_dir: str | os.PathLike, incident_id: int, config: AttributionConfig, store_url: str = ""
+    run_dir: str | os.PathLike,
+    incident_id: int,
+    config: AttributionConfig,
+    store_url: str = "",
+    run_device: str = "cpu",
 ) -> list[str]:
-    """The child process that attributes one incident and prints its JSON."""
+    """The child process that attributes one incident (of a run on `run_device`) and prints
+    its JSON."""
     command = [sys.executable, "-m", MODULE, "--run-dir", str(run_dir)]
     command += ["--incident", str(incident_id), "--threads", str(config.threads)]
-    command += ["--nice", str(config.nice)] + (["--device", config.device] if config.device else [])
+    command += ["--nice", str(config.nice), "--run-fraction", str(config.pace(run_device))]
+    command += ["--device", config.device] if config.device else []
     return command + (["--store-url", store_url] if store_url else [])
 
 
@@ -157,7 +165,8 @@ class IncidentAttributor:
     """Attributes incidents one at a time in child processes; see the module docstring.
 
     `on_done(record)` runs on the worker thread after each record is stored (the daemon's
-    metrics); `command(incident_id)` overrides the child's command line (tests)."""
+    metrics); `command(incident_id)` overrides the child's command line (tests); `run_device`:
+    the run's device (the pace's default, `AttributionConfig.pace`)."""
 
     def __init__(
         self,
@@ -168,13 +177,16 @@ class IncidentAttributor:
         busy_timeout_ms: int = 10_000,
         on_done: Callable[[AttributionRecord], None] | None = None,
         command: Callable[[int], Sequence[str]] | None = None,
+        run_device: str = "cpu",
     ) -> None:
         self.run_dir = Path(run_dir)
         self.config = config or AttributionConfig()
         self.store_url, self.busy_timeout_ms = store_url, busy_timeout_ms
         self.on_done = on_done
         self.command = command or (
-            lambda incident: child_command(self.run_dir, incident, self.config, store_url)
+            lambda incident: child_command(
+                self.run_dir, incident, self.config, store_url, run_device
+            )
         )
         self.totals = dict.fromkeys(STATUSES, 0)  # records stored, by status
         self.error: BaseException | None = None  # the worker's failure (it then only drains)
@@ -268,25 +280,33 @@ class IncidentAttributor:
         threads = str(self.config.threads)
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
         started = time.monotonic()
-        child = subprocess.Popen(
-            list(self.command(job.incident_id)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            text=True,
-        )
-        stopped = ""
-        while True:
-            try:
-                out, err = child.communicate(timeout=POLL_SECONDS)
-                break
-            except subprocess.TimeoutExpired:
-                stopped = self._over_bounds(child.pid, time.monotonic() - started)
-                if stopped:
-                    child.kill()
-                    out, err = child.communicate()
+        pipe = FreePipe()  # closed at the stop: the child runs unpaced from then on
+        try:
+            child = subprocess.Popen(
+                list(self.command(job.incident_id)),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                env={**env, **pipe.env()},
+                pass_fds=(pipe.read_fd,),
+                text=True,
+            )
+            pipe.started()
+            stopped = ""
+            while True:
+                if self._stopping.is_set():
+                    pipe.free()
+                try:
+                    out, err = child.communicate(timeout=POLL_SECONDS)
                     break
+                except subprocess.TimeoutExpired:
+                    stopped = self._over_bounds(child.pid, time.monotonic() - started)
+                    if stopped:
+                        child.kill()
+                        out, err = child.communicate()
+                        break
+        finally:
+            pipe.close()
         seconds = round(time.monotonic() - started, 3)
         if stopped:
             status = "stopped" if stopped == STOPPED else "failed"
@@ -359,6 +379,7 @@ def _orphaned(parent: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     """The child: attribute one incident, print `StepAttribution.to_dict()` as one JSON line
     (exit 0); bad input: one line on stderr, exit 2; anything else: exit 1."""
+    started = time.monotonic() - time.process_time()  # the start as if it ran all along
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--incident", type=int, required=True)
@@ -366,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--nice", type=int, default=19)
     parser.add_argument("--device", default="")
+    parser.add_argument("--run-fraction", type=float, default=1.0)
     args = parser.parse_args(argv)
     with contextlib.suppress(OSError):
         os.nice(args.nice)
@@ -376,7 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    pace = Pace.from_env(args.run_fraction, started)
+    pace.pace()  # the imports' CPU counts too
     from grpod.forensics.attribution import attribute
+
+    pace.pace()
+    pace.install()
 
     try:
         result = attribute(
@@ -393,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         print(f"{type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
         return 1
-    print(json.dumps(result.to_dict()))
+    print(json.dumps({**result.to_dict(), "paced_seconds": round(pace.slept_seconds, 3)}))
     return 0
 
 

@@ -16,13 +16,14 @@ from prometheus_client import CollectorRegistry
 
 from grpod.daemon.metrics import Metrics
 from grpod.forensics import FlightRecorder, ForensicsConfig, show_incident
-from grpod.forensics.config import AttributionConfig
+from grpod.forensics.config import GPU_RUN_FRACTION, AttributionConfig
 from grpod.forensics.incident_attribution import (
     STOPPED,
     AttributionRecord,
     IncidentAttributor,
     child_command,
 )
+from grpod.forensics.pace import CHECK_SECONDS, FreePipe, Pace
 from tests.forensics.campaign import Campaign
 from tests.forensics.conftest import FAULT_STEP
 from tests.forensics.test_store import decided, tiny_batch, tiny_report
@@ -217,7 +218,7 @@ def test_the_real_child_attributes_a_recorded_incident(run: Path) -> None:
     assert command[1:3] == ["-m", "grpod.forensics.incident_attribution"]
     assert "--device" not in command  # the run's device
     assert child_command(run, 1, AttributionConfig(device="cpu"))[-2:] == ["--device", "cpu"]
-    worker = IncidentAttributor(run)
+    worker = IncidentAttributor(run, AttributionConfig(run_fraction=0.5))  # paced, not slow
     worker.submit(1, FAULT_STEP, 16)
     assert worker.wait_idle(300)
     worker.close()
@@ -226,3 +227,68 @@ def test_the_real_child_attributes_a_recorded_incident(run: Path) -> None:
     assert shown["nonfinite"]["module"].startswith("the loss")  # nan_loss: after every module
     assert shown["samples"][0]["index"] == shown["nonfinite"]["sample"]
     assert {"index", "prompt_id", "share"} <= set(shown["samples"][0])
+    assert shown["attribution"]["paced_seconds"] > 0
+
+
+def burn(seconds: float, pace: Pace | None = None) -> None:
+    """Spend `seconds` of this process's CPU time, pacing along the way."""
+    until = time.process_time() + seconds
+    while time.process_time() < until:
+        sum(range(1000))
+        if pace is not None:
+            pace.pace()
+
+
+def test_the_pace_keeps_the_cpu_to_its_share_of_the_wall() -> None:
+    """A paced loop's CPU seconds stay within `fraction` of its wall seconds (a loaded machine
+    only lowers the share), and the pace slept for the rest."""
+    started, cpu = time.monotonic(), time.process_time()
+    pace = Pace(0.25, started)
+    pace._cpu_started = cpu  # this test's CPU, not the interpreter's so far
+    burn(0.2, pace)
+    wall = time.monotonic() - started
+    used = time.process_time() - cpu
+    assert used <= 0.25 * wall + CHECK_SECONDS
+    assert pace.slept_seconds >= 0.5
+
+
+def test_the_pace_is_unpaced_on_the_cpu_and_bounded_on_a_gpu() -> None:
+    """Auto (0): SCHED_IDLE yields a CPU's cores, nothing yields a GPU's time."""
+    assert AttributionConfig().pace("cpu") == 1.0
+    assert AttributionConfig().pace("cuda") == GPU_RUN_FRACTION < 1
+    assert AttributionConfig(device="cpu").pace("cuda") == 1.0  # run off the trainer's GPU
+    assert AttributionConfig(run_fraction=0.5).pace("cpu") == 0.5
+    command = child_command(Path("run"), 1, AttributionConfig(), run_device="cuda")
+    assert command[command.index("--run-fraction") + 1] == str(GPU_RUN_FRACTION)
+
+
+def test_a_freed_pace_no_longer_sleeps() -> None:
+    pipe = FreePipe()
+    pace = Pace(0.001, time.monotonic(), pipe.read_fd)
+    burn(0.05)
+    pipe.free()  # EOF: the first sleep returns at once, and no later pace sleeps
+    pace.pace()
+    assert pace.free
+    pipe.close()
+    pace.pace()
+
+
+CHILD_PACED = (
+    "import json, time; from grpod.forensics.pace import Pace; "
+    "pace = Pace.from_env(0.001, time.monotonic()); "
+    "until = time.process_time() + 0.1\n"
+    "while time.process_time() < until: sum(range(1000))\n"
+    "pace.pace(); print(json.dumps({'note': 'freed' if pace.free else 'slept'}))"
+)
+
+
+def test_the_stop_frees_a_paced_child(run: Path) -> None:
+    """A child paced to 0.1% of a core (100 s of sleep ahead of it) finishes in the daemon's
+    shutdown wait: the stop closes its pipe and it runs unpaced."""
+    worker = attributor(run, python(CHILD_PACED))
+    worker.submit(1, FAULT_STEP, 16)
+    time.sleep(1.0)  # it may still be starting: the pipe is held from its start either way
+    worker.close(wait_seconds=60)
+    info = stored(run)["attribution"]
+    assert info["status"] == "done", info["note"]
+    assert info["note"] == "freed"
