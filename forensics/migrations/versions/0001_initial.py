@@ -14,8 +14,6 @@ from grpod.forensics.migrations.columns import run_step_columns
 
 revision = "0001"
 down_revision = None
-branch_labels = None
-depends_on = None
 
 TS = sa.DateTime(timezone=True)
 

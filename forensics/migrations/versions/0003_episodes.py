@@ -14,8 +14,6 @@ from alembic import op
 
 revision = "0003"
 down_revision = "0002"
-branch_labels = None
-depends_on = None
 
 TS = sa.DateTime(timezone=True)
 COLUMNS = (

@@ -14,8 +14,6 @@ from grpod.forensics.migrations.columns import run_step_columns
 
 revision = "0004"
 down_revision = "0003"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

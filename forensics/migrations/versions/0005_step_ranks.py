@@ -17,8 +17,6 @@ from grpod.forensics.migrations.columns import row_id
 
 revision = "0005"
 down_revision = "0004"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -17,8 +17,6 @@ from grpod.forensics.migrations.columns import run_step_columns
 
 revision = "0007_prompt_ledger"
 down_revision = "0006"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

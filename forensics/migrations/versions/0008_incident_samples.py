@@ -19,8 +19,6 @@ from grpod.forensics.migrations.columns import row_id
 
 revision = "0008_incident_samples"
 down_revision = "0007_prompt_ledger"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
