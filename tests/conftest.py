@@ -24,6 +24,32 @@ LAUNCHER_MODULES = {"torch.distributed.run", "torch.distributed.launch"}
 REFUSED = 2  # grpod's exit status for bad input: refused before anything ran
 
 
+# The files that take longest in the gate (its --durations, 2026-12-03), run first: under
+# `--dist loadfile` a file is one unit of work, and a long one started last leaves the other
+# worker idle at the end (the longest-first rule for two machines)
+LONGEST_FILES = (
+    "tests/vllm/test_server_torchrun.py",  # `make test-vllm`'s three longest
+    "tests/vllm/test_server.py",
+    "tests/vllm/test_daemon.py",
+    "tests/daemon/test_torchrun.py",
+    "tests/daemon/test_real_model.py",
+    "tests/daemon/test_incident_attribution.py",
+    "tests/daemon/test_secrets.py",
+    "tests/scripts/test_gpu_check.py",
+    "tests/daemon/test_service.py",
+    "tests/daemon/test_foreign_run_dirs.py",
+    "tests/forensics/test_replay_threads.py",
+    "tests/daemon/test_own_model.py",
+    "tests/dashboards/test_scrape.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put the tests of LONGEST_FILES first, in that order; the rest keep theirs."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)
