@@ -7,6 +7,7 @@ the runs of one run directory are told apart by `runs.run_dir`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -124,10 +125,19 @@ class Store:
             _sqlite_pragmas(self.engine, busy_timeout_ms)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._lock_conn: Any = None  # the connection holding the advisory lock, if any
+        self._lock_key = 0
 
     def close(self) -> None:
         if self._lock_conn is not None:
-            self._lock_conn.close()  # ends the session: PostgreSQL drops its advisory lock
+            # unlocked here, not left to the session's end: closing a pooled connection only
+            # returns it to the pool, and a disposed one's server process exits (and drops
+            # the lock) some time after close() has returned
+            with contextlib.suppress(SQLAlchemyError):  # a broken connection holds nothing
+                self._lock_conn.execute(
+                    text("SELECT pg_advisory_unlock(:k)"), {"k": self._lock_key}
+                )
+                self._lock_conn.commit()
+            self._lock_conn.close()
             self._lock_conn = None
         self.engine.dispose()
 
@@ -151,7 +161,7 @@ class Store:
                 f"store {self.label}: run dir {self.run_dir} is locked by another grpod run "
                 "(PostgreSQL advisory lock)"
             )
-        self._lock_conn = conn
+        self._lock_conn, self._lock_key = conn, key
 
     @contextmanager
     def session(self) -> Iterator[Session]:
