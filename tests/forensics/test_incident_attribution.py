@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from grpod.daemon.metrics import Metrics
 from grpod.forensics import FlightRecorder, ForensicsConfig, show_incident
+from grpod.forensics import pace as pace_module
 from grpod.forensics.config import GPU_RUN_FRACTION, AttributionConfig
 from grpod.forensics.incident_attribution import (
     STOPPED,
@@ -218,7 +219,7 @@ def test_the_real_child_attributes_a_recorded_incident(run: Path) -> None:
     assert command[1:3] == ["-m", "grpod.forensics.incident_attribution"]
     assert "--device" not in command  # the run's device
     assert child_command(run, 1, AttributionConfig(device="cpu"))[-2:] == ["--device", "cpu"]
-    worker = IncidentAttributor(run, AttributionConfig(run_fraction=0.5))  # paced, not slow
+    worker = IncidentAttributor(run)  # the CPU's pace: unpaced (pacing: the Clocks tests)
     worker.submit(1, FAULT_STEP, 16)
     assert worker.wait_idle(300)
     worker.close()
@@ -227,7 +228,7 @@ def test_the_real_child_attributes_a_recorded_incident(run: Path) -> None:
     assert shown["nonfinite"]["module"].startswith("the loss")  # nan_loss: after every module
     assert shown["samples"][0]["index"] == shown["nonfinite"]["sample"]
     assert {"index", "prompt_id", "share"} <= set(shown["samples"][0])
-    assert shown["attribution"]["paced_seconds"] > 0
+    assert shown["attribution"]["paced_seconds"] == 0
 
 
 def burn(seconds: float, pace: Pace | None = None) -> None:
@@ -239,17 +240,42 @@ def burn(seconds: float, pace: Pace | None = None) -> None:
             pace.pace()
 
 
-def test_the_pace_keeps_the_cpu_to_its_share_of_the_wall() -> None:
-    """A paced loop's CPU seconds stay within `fraction` of its wall seconds (a loaded machine
-    only lowers the share), and the pace slept for the rest."""
-    started, cpu = time.monotonic(), time.process_time()
-    pace = Pace(0.25, started)
-    pace._cpu_started = cpu  # this test's CPU, not the interpreter's so far
-    burn(0.2, pace)
-    wall = time.monotonic() - started
-    used = time.process_time() - cpu
-    assert used <= 0.25 * wall + CHECK_SECONDS
-    assert pace.slept_seconds >= 0.5
+class Clocks:
+    """`pace.time` for a test: the wall and CPU clocks are set by hand; `sleep` moves the wall."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = 100.0, 0.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.wall
+
+    def process_time(self) -> float:
+        return self.cpu
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.wall += seconds
+
+
+def test_the_pace_sleeps_until_its_cpu_is_its_share_of_the_wall(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clocks = Clocks()
+    monkeypatch.setattr(pace_module, "time", clocks)
+    pace = Pace(0.25, started=100.0)
+    clocks.cpu, clocks.wall = 1.0, 101.0  # 1 CPU second in 1 wall second: 3 s ahead
+    pace.pace()
+    assert clocks.sleeps == [3.0] and pace.slept_seconds == 3.0
+    assert clocks.cpu <= 0.25 * (clocks.wall - 100.0)
+    clocks.cpu += 0.001  # within the next check's 20 ms: not read again
+    pace.pace()
+    assert clocks.sleeps == [3.0]
+    clocks.wall += CHECK_SECONDS
+    clocks.cpu = 1.5  # 0.5 CPU seconds more: 2 s of wall owed
+    pace.pace()
+    assert clocks.sleeps[1:] == [pytest.approx(2.0 - CHECK_SECONDS)]
+    assert Pace(1.0, started=0.0).free  # unpaced: never reads a clock
 
 
 def test_the_pace_is_unpaced_on_the_cpu_and_bounded_on_a_gpu() -> None:
