@@ -56,14 +56,18 @@ def bare_block(engine: Engine, steps: int) -> tuple[float, float]:
     return time.perf_counter() - started, time.process_time() - cpu
 
 
+def daemon_steps(daemon: Daemon, steps: int) -> None:
+    for _ in range(steps):
+        with logs.step_context(daemon.engine.step):
+            daemon._step()
+
+
 def monitored_block(daemon: Daemon, steps: int) -> tuple[float, float, float]:
     """(wall seconds with the drain's wall, wall seconds with the drain's writer CPU, process
     CPU seconds of every thread) of `steps` daemon steps and the recorder's drain after them."""
     recorder = daemon.recorder
     started, cpu = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        with logs.step_context(daemon.engine.step):
-            daemon._step()
+    daemon_steps(daemon, steps)
     stepped, writer_cpu = time.perf_counter(), recorder.write_cpu_seconds_total
     recorder.drain()  # the recorder's background writes belong to this side
     drain_cpu = recorder.write_cpu_seconds_total - writer_cpu
@@ -82,14 +86,12 @@ def paired_steps(daemon: Daemon, bare: Engine, pairs: int) -> dict[str, Any]:
     for pair in range(pairs):
         seconds = {}
         for side in ("bare", "monitored") if pair % 2 == 0 else ("monitored", "bare"):
-            started = time.perf_counter()
             if side == "bare":
-                bare.accumulate(bare.rollout())
-                bare.apply()
+                seconds[side] = bare_block(bare, 1)[0]
             else:
-                with logs.step_context(daemon.engine.step):
-                    daemon._step()
-            seconds[side] = time.perf_counter() - started
+                started = time.perf_counter()
+                daemon_steps(daemon, 1)
+                seconds[side] = time.perf_counter() - started
         walls.append((seconds["bare"], seconds["monitored"]))
     started = time.perf_counter()
     daemon.recorder.drain()

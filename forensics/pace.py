@@ -1,8 +1,8 @@
 """The incident attribution's pace: its child process keeps its CPU time to a share of the
 wall clock (`[forensics.attribution] run_fraction`), so it takes at most that share of a core
-from the trainer, and of the caches and memory bandwidth they share: SCHED_IDLE gives the
-trainer the core whenever it wants it, not the caches (a W1 step on 2 cores is ~5% slower
-beside an unpaced attribution, bench/README.md).
+(or of a GPU, which has no idle priority) from the trainer. On the CPU SCHED_IDLE already
+does that: a W1 step beside an unpaced attribution runs at 0.992 of its speed without one
+(bench/README.md), so the CPU's default is unpaced.
 
 The child paces itself; nothing is signalled. `Pace.pace()` runs before every module's forward
 (a global forward pre-hook, `install`) and between the child's phases: when the process's CPU
