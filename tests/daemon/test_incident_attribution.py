@@ -36,7 +36,8 @@ def test_a_poisoned_step_s_incident_names_the_sample(tmp_path: Path, kind: str) 
         {
             "engine": {**TINY, "faults": faults},
             "guards.clip": {"window": 1, "baseline_steps": 1, "fraction_max": 0.0},
-            "forensics.attribution": {"shutdown_wait_seconds": 600},
+            # nice 0: a nice-19 child beside the suite's other busy processes starves
+            "forensics.attribution": {"shutdown_wait_seconds": 600, "nice": 0},
             "daemon": {
                 "metrics": False,
                 "log_format": "json",
