@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
-
-from torch.distributed.checkpoint.stateful import Stateful
+from typing import TYPE_CHECKING, Any
 
 from grpod.daemon import distributed
 from grpod.daemon.errors import ConfigError
@@ -20,6 +18,9 @@ from grpod.engine import Engine
 from grpod.engine.state import distcp
 from grpod.forensics.resume import choose_checkpoint
 from grpod.guards import GuardPolicy
+
+if TYPE_CHECKING:  # an annotation only: torch.distributed.checkpoint takes ~0.5 s to import
+    from torch.distributed.checkpoint.stateful import Stateful
 
 
 class Checkpoints:

@@ -1,4 +1,7 @@
-"""Incidents: list, show, and export one (its batch as safetensors + JSON) to hand over."""
+"""Incidents: list, show, and export one (its batch as safetensors + JSON) to hand over.
+
+Listing and showing read the store only: the engine's tensors (torch: seconds to import) are
+imported by what reads a batch."""
 
 from __future__ import annotations
 
@@ -6,15 +9,16 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpod.base.fileio import atomic_dir
-from grpod.engine import EngineError, TransportBatch
-from grpod.forensics.blobs import BlobStore
 from grpod.forensics.errors import ForensicsError
 from grpod.forensics.incident_attribution import AttributionRecord, load_attribution
 from grpod.forensics.models import Blob, Checkpoint, Incident, Step
 from grpod.forensics.store import Store
+
+if TYPE_CHECKING:
+    from grpod.engine import TransportBatch
 
 
 def list_incidents(run_dir: str | os.PathLike, store_url: str = "") -> list[dict[str, Any]]:
@@ -102,6 +106,9 @@ def incident_batch(
     run_dir: str | os.PathLike, incident_id: int, store_url: str = ""
 ) -> tuple[dict[str, Any], dict[str, Any], TransportBatch]:
     """The incident (as `show_incident`), its run's config and its step's batch."""
+    from grpod.engine import EngineError, TransportBatch
+    from grpod.forensics.blobs import BlobStore
+
     detail = show_incident(run_dir, incident_id, store_url)
     store = Store(run_dir, store_url, create=False)
     digest = detail["batch_digest"]

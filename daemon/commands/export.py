@@ -34,9 +34,8 @@ def _export(args: argparse.Namespace) -> int:
     from grpod.daemon.config import load_config
     from grpod.daemon.errors import ConfigError
     from grpod.daemon.rundir import existing_run_dir
-    from grpod.engine.state.export import export_pretrained
 
-    run = existing_run_dir(args.run_dir)  # store_url: config.toml's
+    run = existing_run_dir(args.run_dir)  # store_url: config.toml's; before torch's import
     config = load_config(run.config_path)
     if config.engine.model != "tiny-qwen2":  # export reads the model dir, never the task
         run.check_inputs(under=config.engine.model)
@@ -48,6 +47,8 @@ def _export(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--step {step}: no checkpoint at that step in {run.path} (have {_listing(steps)})"
         )
+    from grpod.engine.state.export import export_pretrained
+
     out = export_pretrained(
         config.engine, run.checkpoint_path(step), Path(args.out), adapter=args.adapter
     )

@@ -99,13 +99,15 @@ def _db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from grpod.daemon import distributed
-    from grpod.forensics import ForensicsError, replay
+    from grpod.forensics.errors import ForensicsError
 
     if (args.incident is None) == (args.step is None):
         raise ForensicsError("give an INCIDENT_ID or --step N (exactly one)")
-    run = _run_dir(args)
+    run = _run_dir(args)  # before the engine's imports: a foreign run dir is refused at once
     run.check_inputs()  # a moved or changed model or task is named
+    from grpod.daemon import distributed
+    from grpod.forensics import replay
+
     if args.by_sample:
         from grpod.daemon.commands.attribution import by_sample
 
@@ -179,9 +181,9 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _incidents_list(args: argparse.Namespace) -> int:
+    _run_dir(args)
     from grpod.forensics import list_incidents
 
-    _run_dir(args)
     rows = list_incidents(args.run_dir, args.store_url)
     if args.json:
         print(json.dumps(rows))
@@ -200,11 +202,11 @@ def _incidents_list(args: argparse.Namespace) -> int:
 
 
 def _incidents_show(args: argparse.Namespace) -> int:
+    _attributable(args, _run_dir(args))
     from grpod.daemon.commands.attribution import incident_attribution, print_incident_attribution
     from grpod.forensics.incidents import incident_batch
     from grpod.guards.trend import evidence_lines
 
-    _attributable(args, _run_dir(args))
     detail, config, batch = incident_batch(args.run_dir, args.id, args.store_url)
     count = args.samples
     if count is None:
@@ -290,9 +292,9 @@ def _decoded(config: dict[str, Any], batch: Any, limit: int | None) -> tuple[lis
 
 
 def _incidents_export(args: argparse.Namespace) -> int:
+    _attributable(args, _run_dir(args))
     from grpod.forensics import export_incident
 
-    _attributable(args, _run_dir(args))
     notes: list[str] = []
 
     def decode(batch: Any, config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -315,10 +317,10 @@ def _incidents_export(args: argparse.Namespace) -> int:
 
 
 def _fsck(args: argparse.Namespace) -> int:
+    _run_dir(args)
     from grpod.forensics import fsck
     from grpod.forensics.ledger import coverage_line
 
-    _run_dir(args)
     report = fsck(args.run_dir, args.store_url)
     if args.json:
         print(json.dumps(report.to_dict()))
@@ -371,7 +373,8 @@ def _attributable(args: argparse.Namespace, run: RunDir) -> None:
 
 
 def _run_dir(args: argparse.Namespace) -> RunDir:
-    """The run dir a reader names, as this grpod writes one (rundir.existing_run_dir)."""
+    """The run dir a reader names, as this grpod writes one (rundir.existing_run_dir). Called
+    before the engine's imports (torch: seconds), so a foreign run dir is refused at once."""
     from grpod.daemon.rundir import existing_run_dir
 
     return existing_run_dir(args.run_dir, args.store_url)

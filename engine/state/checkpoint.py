@@ -13,15 +13,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.stateful import Stateful
 
 from grpod.base.fileio import atomic_dir
 from grpod.base.oneline import one_line
 from grpod.engine.errors import EngineError
+
+if TYPE_CHECKING:  # an annotation only: torch.distributed.checkpoint takes ~0.5 s to import
+    from torch.distributed.checkpoint.stateful import Stateful
 
 FORMAT = "grpod.checkpoint/2"
 TENSOR = "__tensor__"  # {"__tensor__": "file.safetensors:key"}: a tensor in a file

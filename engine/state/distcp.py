@@ -23,15 +23,16 @@ import json
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
-
-from torch.distributed.checkpoint.stateful import Stateful
+from typing import TYPE_CHECKING, Any
 
 from grpod.base.fileio import atomic_dir
 from grpod.base.oneline import one_line
 from grpod.engine.errors import EngineError
 from grpod.engine.model.parallel import Parallel
 from grpod.engine.state.checkpoint import checkpoint_problems, load_checkpoint, save_checkpoint
+
+if TYPE_CHECKING:  # an annotation only: torch.distributed.checkpoint takes ~0.5 s to import
+    from torch.distributed.checkpoint.stateful import Stateful
 
 FORMAT = "grpod.dcp_checkpoint/2"
 
@@ -103,7 +104,7 @@ def load(
         shared[name] = {k: template[k] for k in keys}
     try:
         dcp.load(shared, checkpoint_id=str(where))
-    except LOAD_ERRORS as exc:  # DCP's CheckpointException is a BaseException
+    except _load_errors() as exc:  # DCP's CheckpointException is a BaseException
         raise EngineError(f"checkpoint {where}: cannot load: {_dcp_reason(exc)}") from None
     saved_world = int(state.get("world_size", 0))
     same = saved_world == parallel.world_size
@@ -128,18 +129,16 @@ def load_model_weights(path: str | os.PathLike, params: dict[str, Any]) -> dict[
     weights = {name: torch.empty_like(tensor) for name, tensor in params.items()}
     try:
         dcp.load({"engine": {"model": weights}}, checkpoint_id=str(path))
-    except LOAD_ERRORS as exc:  # DCP's CheckpointException is a BaseException
+    except _load_errors() as exc:  # DCP's CheckpointException is a BaseException
         raise EngineError(f"checkpoint {path}: cannot load: {_dcp_reason(exc)}") from None
     return weights
 
 
 def _load_errors() -> tuple[type[BaseException], ...]:
+    """What a DCP load raises (read when one did: DCP is imported where it is used)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     return (Exception, CheckpointException)
-
-
-LOAD_ERRORS = _load_errors()
 
 
 def _dcp_reason(exc: BaseException) -> str:
@@ -164,7 +163,7 @@ def problems(path: str | os.PathLike) -> list[str]:
 
     try:
         metadata = FileSystemReader(str(where)).read_metadata()
-    except LOAD_ERRORS as exc:
+    except _load_errors() as exc:
         return [f".metadata unreadable: {one_line(exc)}"]
     found: list[str] = []
     ends: dict[str, int] = {}

@@ -8,6 +8,8 @@ import hashlib
 import json
 import shutil
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,6 +98,34 @@ def test_every_reader_refuses_a_foreign_run_dir_in_one_line(
         assert done.stdout == ""
     assert _digest(run_dir) == before
     assert not (tmp_path / "exported").exists() and not (tmp_path / "plots").exists()
+
+
+# the reader refuses before it imports the engine: the run dir is read by the store alone
+LIGHT_READ = """
+import sys
+from grpod.daemon.cli import main
+codes = [main(reader + ["--run-dir", sys.argv[1]]) for reader in READERS]
+print(codes, sorted({"torch", "safetensors"} & set(sys.modules)))
+"""
+
+
+def test_a_refusal_imports_no_torch_and_listing_incidents_needs_none(
+    tmp_path: Path, recorded: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(recorded, run_dir)
+    _newer_schema(run_dir)
+    for run, readers, codes in (  # a foreign run dir's refusals; a run dir's light readers
+        (run_dir, [list(r) for r in READERS], [2] * len(READERS)),
+        (recorded, [["status"], ["incidents", "list"]], [0, 0]),
+    ):
+        script = f"READERS = {readers!r}\n" + LIGHT_READ
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(run)], capture_output=True, text=True, cwd=tmp_path
+        )
+        assert done.returncode == 0, done.stderr
+        last = done.stdout.splitlines()[-1]
+        assert last == f"{codes} []", last  # the exit codes; neither module was imported
 
 
 def test_the_recorded_run_dir_itself_is_read(tmp_path: Path, recorded: Path) -> None:

@@ -218,8 +218,11 @@ def test_the_real_child_attributes_a_recorded_incident(run: Path) -> None:
     command = child_command(run, 1, AttributionConfig())
     assert command[1:3] == ["-m", "grpod.forensics.incident_attribution"]
     assert "--device" not in command  # the run's device
+    assert command[command.index("--nice") + 1] == "19"  # below the trainer by default
     assert child_command(run, 1, AttributionConfig(device="cpu"))[-2:] == ["--device", "cpu"]
-    worker = IncidentAttributor(run)  # the CPU's pace: unpaced (pacing: the Clocks tests)
+    # the CPU's pace: unpaced (pacing: the Clocks tests); nice 0: at 19 the suite's other busy
+    # processes starve it
+    worker = IncidentAttributor(run, AttributionConfig(nice=0))
     worker.submit(1, FAULT_STEP, 16)
     assert worker.wait_idle(300)
     worker.close()
