@@ -91,7 +91,7 @@ threads = 1
 accounting = "last_micro_first_chunk"
 """ + daemon_section(20)
 START_TIMEOUT_SECONDS = 180
-RUN_TIMEOUT_SECONDS = 300
+RUN_TIMEOUT_SECONDS = 900  # > the tiny run's attribution wait (600 s): only a hang fails
 
 
 @dataclass
