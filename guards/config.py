@@ -77,6 +77,11 @@ class ReorderConfig(_Section):
     skip_action: ActionName = Field("FLUSH", description="the action of a skip-fast step")
 
 
+# `log_metrics = ("grad_norm",)`: on the std scale, healthy W1 runs (arith, lr 1e-3, seeds 0,
+# 300-638 steps) WARNed 5-17 times from step 215 on (grad norm 1.1-3.8 against a center of
+# 0.26-0.34: 7-22 spreads, a group or two with reward variance); on the log scale 0 in the
+# first 637 steps, then one 120x step (36.8); W4 (SmolLM2-135M, 2 x 100 steps): 0 either way.
+# The loss-spike drill scales advantages by 1000 (7 log units): loss and grad norm both flag.
 class SpikeConfig(_Section):
     """Rolling z-score of loss, grad norm and KL over a floored spread."""
 
@@ -100,6 +105,13 @@ class SpikeConfig(_Section):
     metrics: tuple[Literal["loss", "grad_norm", "kl"], ...] = Field(
         ("loss", "grad_norm", "kl"),
         strict=False,  # TOML has no tuples
+    )
+    log_metrics: tuple[Literal["grad_norm"], ...] = Field(
+        ("grad_norm",),
+        strict=False,
+        description="judged on a log scale (center: the geometric mean; spread floor: "
+        "log(1 + relative_floor)): a grad norm moves by factors, and a healthy sparse-reward "
+        "step reaches 12x its center; a value <= 0 is skipped",
     )
     action: ActionName = "WARN"
 

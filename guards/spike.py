@@ -1,8 +1,10 @@
 """`spike`: a rolling z-score of loss, grad norm and KL against the recent steps, over a spread
-with an absolute and a relative floor (a window whose spread is ~0 is not evidence)."""
+with an absolute and a relative floor (a window whose spread is ~0 is not evidence); the grad
+norm on a log scale, since it moves by factors."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from grpod.engine import StepReport, TransportBatch
@@ -20,8 +22,11 @@ class SpikeGuard(Guard):
     outliers); the spread is at least `min_std` and `relative_floor` x |center|, so a flat
     window (a collapsed campaign's loss of exactly 0) cannot turn a tiny move into a spike.
     A flagged value stays out of the baseline (one spike must not hide the next) until
-    `level_shift_after` consecutive flags, when the new level is accepted. Non-finite values
-    are the `finite` guard's; None (KL off) is skipped."""
+    `level_shift_after` consecutive flags, when the new level is accepted. A metric in
+    `log_metrics` is judged by its logarithm (its windows keep the values themselves): the
+    center is then the geometric mean, the spread is in log units, floored at
+    log(1 + relative_floor), and a value <= 0 is skipped. Non-finite values are the `finite`
+    guard's; None (KL off) is skipped."""
 
     name = "spike"
     METRICS = ("loss", "grad_norm", "kl")
@@ -29,59 +34,90 @@ class SpikeGuard(Guard):
     def __init__(self, config) -> None:
         self.windows = {m: Window(config.window) for m in self.METRICS}
         self.consecutive = dict.fromkeys(self.METRICS, 0)
+        self._logs: dict[str, Window] = {}  # a log metric's window of logarithms
         super().__init__(config)
 
     def configure(self, config) -> None:
         super().configure(config)
         for window in self.windows.values():
             window.resize(config.window)
+        self._logs = {}  # rebuilt from the values on first use
+
+    def _scale(self, metric: str) -> Window:
+        """The window as judged: its values, or their logarithms for a log metric (kept
+        beside the values, in step with them)."""
+        if metric not in self.config.log_metrics:
+            return self.windows[metric]
+        logs = self._logs.get(metric)
+        if logs is None or len(logs) != sum(v > 0 for v in self.windows[metric].values):
+            window = self.windows[metric]
+            logs = Window(window.values.maxlen or 1, (math.log(v) for v in window.values if v > 0))
+            self._logs[metric] = logs
+        return logs
 
     def center_spread(self, metric: str) -> tuple[float, float]:
-        """The window's center and its floored spread (see the class docstring)."""
-        window = self.windows[metric]
+        """The window's center and its floored spread, on the metric's scale (log units for
+        a log metric; see the class docstring)."""
+        window = self._scale(metric)
         if self.config.spread == "mad":
             center, spread = window.median_mad()
             spread *= MAD_TO_STD
         else:
             center, spread = window.mean_std()
-        floor = max(self.config.min_std, self.config.relative_floor * abs(center), 1e-300)
+        if metric in self.config.log_metrics:
+            floor = max(math.log1p(self.config.relative_floor), 1e-300)
+        else:
+            floor = max(self.config.min_std, self.config.relative_floor * abs(center), 1e-300)
         return center, max(spread, floor)
 
     def zscore(self, metric: str, value: float) -> float | None:
-        """|value - center| / floored spread over the metric's window; None before min_steps."""
-        if len(self.windows[metric]) < self.config.min_steps:
+        """|value - center| / floored spread over the metric's window, on its scale; None
+        before min_steps (or for a log metric's value <= 0)."""
+        log = metric in self.config.log_metrics
+        if log and value <= 0:
+            return None
+        if len(self._scale(metric)) < self.config.min_steps:
             return None
         center, spread = self.center_spread(metric)
-        return abs(value - center) / spread
+        return abs((math.log(value) if log else value) - center) / spread
 
     def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
         findings = []
         for metric in self.config.metrics:
             value = getattr(report, metric)
-            if not is_finite(value):
+            if not is_finite(value) or (metric in self.config.log_metrics and value <= 0):
                 continue
             z = self.zscore(metric, value)
             flagged = z is not None and z > self.config.threshold_sigma
             if flagged:
-                center, spread = self.center_spread(metric)
-                findings.append(
-                    self.finding(
-                        f"{metric} {value:.4g} is {z:.1f} spreads from its center {center:.4g} "
-                        f"(spread {spread:.3g}, {len(self.windows[metric])} steps)",
-                        kind=metric,
-                        value=value,
-                        zscore=z,
-                        severity=z,
-                        center=center,
-                        spread=spread,
-                    )
-                )
+                findings.append(self._finding(metric, value, z))
                 self.consecutive[metric] += 1
             else:
                 self.consecutive[metric] = 0
             if not flagged or self.consecutive[metric] >= self.config.level_shift_after:
                 self.windows[metric].append(value)
+                if metric in self._logs:
+                    self._logs[metric].append(math.log(value))
         return findings
+
+    def _finding(self, metric: str, value: float, z: float) -> Finding:
+        center, spread = self.center_spread(metric)
+        steps = len(self.windows[metric])
+        if metric in self.config.log_metrics:  # the center as a value: the geometric mean
+            center = math.exp(center)
+            where = f"{value / center:.3g}x its geometric mean {center:.4g} (log spread "
+            where += f"{spread:.3g}"
+        else:
+            where = f"its center {center:.4g} (spread {spread:.3g}"
+        return self.finding(
+            f"{metric} {value:.4g} is {z:.1f} spreads from {where}, {steps} steps)",
+            kind=metric,
+            value=value,
+            zscore=z,
+            severity=z,
+            center=center,
+            spread=spread,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +133,7 @@ class SpikeGuard(Guard):
             self.windows[metric] = Window(
                 self.config.window, load_floats(windows, metric, self.name)
             )
+        self._logs = {}
         try:
             self.consecutive = {
                 m: int(state.get("consecutive", {}).get(m, 0)) for m in self.METRICS

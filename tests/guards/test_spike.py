@@ -1,4 +1,5 @@
 import math
+import statistics
 
 import pytest
 
@@ -77,7 +78,7 @@ def test_zero_variance_window_is_no_evidence() -> None:
 
 
 def test_relative_floor_scales_with_the_center() -> None:
-    guard = SpikeGuard(SpikeConfig(metrics=("grad_norm",)))
+    guard = SpikeGuard(SpikeConfig(metrics=("grad_norm",), log_metrics=()))  # the linear scale
     for _ in range(32):
         guard.after(batch(), report(grad_norm=2.0))  # flat at 2.0: spread floor 0.05 x 2 = 0.1
     assert guard.center_spread("grad_norm") == (2.0, pytest.approx(0.1))
@@ -101,3 +102,41 @@ def test_window_is_bounded_and_action_configurable() -> None:
     warm(guard, 100)
     assert len(guard.windows["loss"]) == 40
     assert guard.after(batch(), report(loss=10.0, grad_norm=0.5))[0].action is Action.FLUSH
+
+
+# W1's window before its step 229 (arith, lr 1e-3, seed 0: geometric mean 0.249, log spread
+# 0.486, values 0.07-1.17), as a sine in log space of that center and spread
+W1_GRAD_NORMS = [0.249 * math.exp(0.486 * math.sqrt(2) * math.sin(i)) for i in range(128)]
+
+
+def test_the_grad_norm_is_judged_on_a_log_scale() -> None:
+    """The healthy W1 step the std scale WARNed on (2.67 against a center of 0.26: 20.5
+    spreads) is 10.7x its geometric mean, 4.9 log spreads: no spike; 260 (1000x) is one."""
+    linear, log = SpikeGuard(SpikeConfig(log_metrics=())), SpikeGuard(SpikeConfig())
+    for guard in (linear, log):
+        for value in W1_GRAD_NORMS:
+            guard.after(batch(), report(loss=0.0, grad_norm=value))
+    assert linear.after(batch(), report(loss=0.0, grad_norm=2.67))[0].kind == "grad_norm"
+    warmed = log.state_dict()
+    center, spread = log.center_spread("grad_norm")
+    geometric = math.exp(statistics.fmean(math.log(v) for v in W1_GRAD_NORMS))
+    assert center == pytest.approx(math.log(geometric)) and spread > math.log1p(0.05)
+    assert log.zscore("grad_norm", 2.67) == pytest.approx(abs(math.log(2.67) - center) / spread)
+    assert log.after(batch(), report(loss=0.0, grad_norm=2.67)) == []
+    log.load_state_dict(warmed)  # 2.67 joined the window: back to the one without it
+    (finding,) = log.after(batch(), report(loss=0.0, grad_norm=260.0))
+    assert finding.evidence["center"] == pytest.approx(geometric)  # reported as a value
+    assert f"{260.0 / geometric:.3g}x its geometric mean" in finding.message
+
+
+def test_a_log_metric_skips_zero_and_floors_its_spread_in_log_units() -> None:
+    guard = SpikeGuard(SpikeConfig(metrics=("grad_norm",)))
+    for _ in range(32):
+        guard.after(batch(), report(grad_norm=2.0))
+    assert guard.after(batch(), report(grad_norm=0.0)) == []  # no gradient: not judged, not kept
+    assert len(guard.windows["grad_norm"]) == 32
+    assert guard.center_spread("grad_norm") == (pytest.approx(math.log(2.0)), math.log1p(0.05))
+    warmed = guard.state_dict()
+    assert guard.after(batch(), report(grad_norm=2.0 * 1.05**5.9)) == []  # 5.9 spreads
+    guard.load_state_dict(warmed)
+    assert len(guard.after(batch(), report(grad_norm=2.0 * 1.05**6.1))) == 1
