@@ -106,7 +106,9 @@ class ServerSampler:
                 self.client.get("/health")
             else:
                 self.process = ServerProcess(
-                    server_argv(config, self.served, url), server_env(), _server_logger()
+                    server_argv(config, self.served, url),
+                    server_env(cpu=not torch.cuda.is_available()),
+                    _server_logger(),
                 )
                 self.client.explain = self._explain
                 self.process.wait_ready(self.client, config.vllm_server_start_timeout_seconds)
@@ -274,6 +276,10 @@ def server_argv(config: EngineConfig, served: ServedModel, url: str) -> list[str
         argv += ["--gpu-memory-utilization", str(config.vllm_gpu_memory_utilization)]
     if not torch.cuda.is_available():
         argv.append("--enforce-eager")  # no graph capture or compile on CPU
+        # the model in the engine core's process (server_env lets vLLM's CPU build run it
+        # there): a worker process of its own busy-waits a core for 1 s after every step, and
+        # the trainer's threads on the same cores stall behind it (bench/README.md)
+        argv += ["--distributed-executor-backend", "uni"]
         # a prompt prefilled in part rewinds its seeded generator, which a CPU generator
         # cannot: the engine core dies (tests/vllm/test_long_prompts.py)
         argv.append("--no-enable-chunked-prefill")

@@ -263,7 +263,9 @@ TORCHRUN_ENV = (
 )
 
 
-def server_env() -> dict[str, str]:
+def server_env(cpu: bool = False) -> dict[str, str]:
+    """The server's environment: grpod's, less torchrun's, plus vLLM's settings (`cpu`: the
+    server runs on the CPU)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -272,6 +274,11 @@ def server_env() -> dict[str, str]:
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CPU: beside the trainer, unpinned
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the colocated sampler's setting
+    if cpu:
+        # vLLM's CPU platform runs a one-process executor only when this is 0 (else it
+        # starts a worker process); the API server keeps its engine core in a process of
+        # its own either way (server_argv: `--distributed-executor-backend uni`)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 

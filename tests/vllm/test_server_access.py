@@ -6,8 +6,8 @@ and its API server process on no TCP port; grpod's own calls (a weight push thro
 another user's process (`nobody`, the system's Python) is refused by every route, control
 routes and generation included, while the same probe run as grpod's user is answered (the
 refusal is the socket's directory, not the probe). The snapshots' directory is 0700 too.
-(vLLM's worker process keeps torch.distributed's loopback TCP listeners: a known gap,
-docs/SECURITY.md.)
+(The process that runs vLLM's model, here its engine core, keeps torch.distributed's
+loopback TCP listeners: a known gap, docs/SECURITY.md.)
 """
 
 from __future__ import annotations
@@ -86,6 +86,19 @@ def _tcp_listeners(pid: int) -> list[str]:
     return found
 
 
+def _group(pgid: int) -> dict[int, str]:
+    """The processes of process group `pgid`: pid -> name (/proc/PID/comm)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if entry.name.isdigit() and int(fields[2]) == pgid:
+                found[int(entry.name)] = (entry / "comm").read_text().strip()
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
 @pytest.mark.timeout(900)
 def test_grpods_own_server_is_reachable_by_grpod_alone() -> None:
     if os.geteuid() != 0:
@@ -114,6 +127,12 @@ def test_grpods_own_server_is_reachable_by_grpod_alone() -> None:
         # a training step's rollout (step=0): the weight-sync probe rides along
         out, completions, _ = engine.sampling.generate([[3, 4, 5], [3, 4]], seed=7, step=0)
         assert len(completions) == 2 and out.completion_ids.shape[0] == 2
+
+        # on a CPU the engine core runs the model: no worker process, whose 1 s busy wait
+        # after every step would stall the trainer's threads (bench/server_executor.py)
+        group = _group(sampler.process.pid)
+        assert not [n for n in group.values() if n.startswith("VLLM::Worker")], group
+        assert [n for n in group.values() if n.startswith("VLLM::EngineCor")], group
 
         refused = _probe(socket_path, ROUTES, user="nobody", group="nogroup")
         assert refused == {route: "PermissionError" for _, route in ROUTES}, refused

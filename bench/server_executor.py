@@ -1,0 +1,129 @@
+"""The vLLM server's executor on the CPU: the model in the engine core's process (`uni`,
+grpod's default there) against a worker process of its own (`mp`, vLLM's CPU default).
+
+vLLM's multiprocess executor hands each step to its worker through a shared-memory queue
+whose reader busy-waits (sched_yield in a loop) for 1 s after every read before it sleeps
+(`SpinCondition`, vllm/distributed/device_communicators/shm_broadcast.py). On 2 cores shared
+with the trainer that second stalls the trainer's 2-thread ops: on W4 the trainer's 16-token
+scoring forward right after a server request took 1.07 s against 0.09 s, and 0.09-0.14 s with
+the worker stopped (SIGSTOP). grpod's server on a CPU now runs `--distributed-executor-backend
+uni` with VLLM_ENABLE_V1_MULTIPROCESSING=0 (rollout_server.server_argv, vllm_server.server_env);
+`mp` is the same server with `vllm_server_args = ["--distributed-executor-backend", "mp"]`.
+
+Each round runs both executors, one after the other, each in a process of its own (two servers
+at once would spin into each other), in alternating order; a side steps rollout -> accumulate ->
+apply under every guard (`decide_step`, the default `GuardPolicy`) on the vLLM server and
+reports its step's median and its phases' medians (`sync`: the push; `sync_check`: the trainer's
+side of the weight-sync check).
+
+    .venv/bin/python bench/server_executor.py [--workload W1|W2|W4] [--steps 12] [--rounds 1]
+
+Prints one JSON line (also appended to bench/out/results.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python bench/server_executor.py` from the repo root
+    sys.path.insert(0, str(ROOT))
+
+from common import W2_SETTINGS, emit, engine_config, set_threads  # noqa: E402
+
+W4_TOML = ROOT / "examples" / "smollm2-arith" / "grpod.toml"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+WARMUP = 3
+
+
+def side(workload: str, executor: str, steps: int, out: mp.Queue) -> None:
+    """One executor's run: `steps` timed steps after WARMUP, their medians put on `out`."""
+    set_threads()
+    from grpod.engine import Engine
+    from grpod.engine.grpo.step import decide_step
+    from grpod.guards import GuardPolicy
+
+    overrides = {"rollout_backend": "vllm-server", "vllm_server_python": str(VLLM_PYTHON)}
+    if executor == "mp":
+        overrides["vllm_server_args"] = ["--distributed-executor-backend", "mp"]
+    if workload == "W4":
+        config = engine_config(str(W4_TOML), **overrides)
+    elif workload == "W2":
+        config = engine_config("kv-retrieval", **W2_SETTINGS, **overrides)
+    else:
+        config = engine_config("arith", **overrides)
+    engine = Engine(config)
+    policy = GuardPolicy()
+    times: list[float] = []
+    phases: dict[str, list[float]] = {}
+    try:
+        for i in range(WARMUP + steps):
+            started = time.perf_counter()
+            result = decide_step(engine, policy, engine.rollout())
+            if i >= WARMUP:
+                times.append(time.perf_counter() - started)
+                for name, seconds in result.phase_seconds.items():
+                    phases.setdefault(name, []).append(seconds)
+    finally:
+        engine.close()
+    out.put(
+        {
+            "step_s": times,
+            "phases_median_s": {k: statistics.median(v) for k, v in phases.items()},
+        }
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=("W1", "W2", "W4"), default="W1")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    runs: dict[str, list[dict]] = {"uni": [], "mp": []}
+    for round_ in range(args.rounds):
+        for executor in ("uni", "mp") if round_ % 2 == 0 else ("mp", "uni"):
+            out = ctx.Queue()
+            proc = ctx.Process(target=side, args=(args.workload, executor, args.steps, out))
+            proc.start()
+            runs[executor].append(out.get())
+            proc.join()
+    sides = {}
+    for executor, results in runs.items():
+        steps = [t for r in results for t in r["step_s"]]
+        median = statistics.median(steps)
+        check = statistics.median(r["phases_median_s"].get("sync_check", 0.0) for r in results)
+        push = statistics.median(r["phases_median_s"].get("sync", 0.0) for r in results)
+        sides[executor] = {
+            "step_median_s": round(median, 4),
+            "check_s": round(check, 4),
+            "check_fraction": round(check / median, 4),
+            "push_s": round(push, 4),
+            "push_fraction": round(push / median, 4),
+            "phases_median_s": {
+                k: round(statistics.median(r["phases_median_s"].get(k, 0.0) for r in results), 4)
+                for k in results[0]["phases_median_s"]
+            },
+        }
+    emit(
+        {
+            "bench": "server_executor",
+            "workload": args.workload,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "sides": sides,
+            "mp_over_uni_step": round(
+                sides["mp"]["step_median_s"] / sides["uni"]["step_median_s"], 3
+            ),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
