@@ -5,6 +5,7 @@ norm on a log scale, since it moves by factors."""
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 from grpod.engine import StepReport, TransportBatch
@@ -41,19 +42,22 @@ class SpikeGuard(Guard):
         super().configure(config)
         for window in self.windows.values():
             window.resize(config.window)
-        self._logs = {}  # rebuilt from the values on first use
+        self._align_logs()
+
+    def _align_logs(self) -> None:
+        """Keep each log metric's logarithms beside its window, value for value: its window
+        drops what that scale never judges (values <= 0, which a linear scale kept), and
+        from here on both take the same appends (`after`)."""
+        self._logs = {}
+        for metric in self.config.log_metrics:
+            window = self.windows[metric]
+            if any(v <= 0 for v in window.values):
+                window.values = deque((v for v in window.values if v > 0), window.values.maxlen)
+            self._logs[metric] = Window(self.config.window, map(math.log, window.values))
 
     def _scale(self, metric: str) -> Window:
-        """The window as judged: its values, or their logarithms for a log metric (kept
-        beside the values, in step with them)."""
-        if metric not in self.config.log_metrics:
-            return self.windows[metric]
-        logs = self._logs.get(metric)
-        if logs is None or len(logs) != sum(v > 0 for v in self.windows[metric].values):
-            window = self.windows[metric]
-            logs = Window(window.values.maxlen or 1, (math.log(v) for v in window.values if v > 0))
-            self._logs[metric] = logs
-        return logs
+        """The window as judged: its values, or their logarithms for a log metric."""
+        return self._logs[metric] if metric in self._logs else self.windows[metric]
 
     def center_spread(self, metric: str) -> tuple[float, float]:
         """The window's center and its floored spread, on the metric's scale (log units for
@@ -105,12 +109,11 @@ class SpikeGuard(Guard):
         steps = len(self.windows[metric])
         if metric in self.config.log_metrics:  # the center as a value: the geometric mean
             center = math.exp(center)
-            where = f"{value / center:.3g}x its geometric mean {center:.4g} (log spread "
-            where += f"{spread:.3g}"
+            message = f"{value / center:.3g}x its geometric mean {center:.4g}, {z:.1f} log spreads"
         else:
-            where = f"its center {center:.4g} (spread {spread:.3g}"
+            message = f"{z:.1f} spreads from its center {center:.4g}"
         return self.finding(
-            f"{metric} {value:.4g} is {z:.1f} spreads from {where}, {steps} steps)",
+            f"{metric} {value:.4g} is {message} (spread {spread:.3g}, {steps} steps)",
             kind=metric,
             value=value,
             zscore=z,
@@ -133,7 +136,7 @@ class SpikeGuard(Guard):
             self.windows[metric] = Window(
                 self.config.window, load_floats(windows, metric, self.name)
             )
-        self._logs = {}
+        self._align_logs()
         try:
             self.consecutive = {
                 m: int(state.get("consecutive", {}).get(m, 0)) for m in self.METRICS
