@@ -41,15 +41,13 @@ if str(ROOT) not in sys.path:  # run as `python bench/async_steps.py` from the r
     sys.path.insert(0, str(ROOT))
 
 from common import (  # noqa: E402
-    W2_ENGINE,
-    W2_SETTINGS,
     _grpod_worker,
     _trl_worker,
     emit,
-    engine_config,
     peak_rss_mib,
     run_lockstep,
     set_threads,
+    workload_config,
 )
 from w1c_learning import THRESHOLDS, first_reach  # noqa: E402
 
@@ -64,11 +62,7 @@ def throughput_worker(conn, backend: str, staleness: int, workload: str, pin: bo
     from grpod.engine.grpo.step import decide_step
     from grpod.guards import GuardPolicy
 
-    task, extra = {
-        "W1": ("arith", {}),
-        "W2": ("kv-retrieval", _w2()),
-        "W4": (str(ROOT / "examples/smollm2-arith/grpod.toml"), {}),
-    }[workload]
+    extra: dict = {}
     pinned = pin and backend == "vllm-server"
     if pinned:  # the server grpod starts inherits core 1; its OpenMP threads bind there too
         extra["threads"] = 1
@@ -76,7 +70,7 @@ def throughput_worker(conn, backend: str, staleness: int, workload: str, pin: bo
         os.environ["OMP_NUM_THREADS"] = "1"  # one core each: no spinning second thread
         pin_process({SERVER_CPU})
     engine = Engine(
-        engine_config(task, rollout_backend=backend, max_staleness=staleness, **TIS, **extra)
+        workload_config(workload, rollout_backend=backend, max_staleness=staleness, **TIS, **extra)
     )
     policy = GuardPolicy()
     engine.start_sampler()  # vLLM starts before the first step: not a step of the benchmark
@@ -113,11 +107,6 @@ def pin_process(cpus: set[int]) -> None:
     for task in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
             os.sched_setaffinity(int(task), cpus)
-
-
-def _w2() -> dict:
-    keys = ("seq_len", "sequence_chunks", "lmhead_chunks", "prompts_per_step", "group_size")
-    return {**{k: W2_ENGINE[k] for k in keys}, **W2_SETTINGS, "micro_batch_rows": 4}
 
 
 def throughput(args: argparse.Namespace) -> dict:

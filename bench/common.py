@@ -171,6 +171,22 @@ def engine_config(task: str, **overrides: Any):
     return EngineConfig.model_validate({"task": task, "threads": THREADS, "lr": LR, **overrides})
 
 
+W4_TOML = ROOT / "examples" / "smollm2-arith" / "grpod.toml"
+
+
+def workload_config(workload: str, **overrides: Any):
+    """W1, W2 or W4 (shared/bench/WORKLOADS.md) as an EngineConfig with `overrides`: W2 with
+    the torchrun benches' rows (W2_ENGINE) and W2_SETTINGS, 4 rows a micro; W4 the example
+    campaign's `[engine]`."""
+    if workload == "W4":
+        return engine_config(str(W4_TOML), **overrides)
+    if workload == "W2":
+        keys = ("seq_len", "sequence_chunks", "lmhead_chunks", "prompts_per_step", "group_size")
+        w2 = {**{k: W2_ENGINE[k] for k in keys}, **W2_SETTINGS, "micro_batch_rows": 4}
+        return engine_config("kv-retrieval", **{**w2, **overrides})
+    return engine_config("arith", **overrides)
+
+
 def toml_engine_config(path: str | os.PathLike):
     """A campaign's `[engine]` (W4: examples/smollm2-arith/grpod.toml) as `grpod run` loads it
     from the config's directory: model, task and eval task made absolute, `reward_path` the

@@ -34,9 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/server_executor.py` from the repo root
     sys.path.insert(0, str(ROOT))
 
-from common import W2_SETTINGS, emit, engine_config, set_threads  # noqa: E402
+from common import emit, set_threads, workload_config  # noqa: E402
 
-W4_TOML = ROOT / "examples" / "smollm2-arith" / "grpod.toml"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 WARMUP = 3
 
@@ -51,13 +50,7 @@ def side(workload: str, executor: str, steps: int, out: mp.Queue) -> None:
     overrides = {"rollout_backend": "vllm-server", "vllm_server_python": str(VLLM_PYTHON)}
     if executor == "mp":
         overrides["vllm_server_args"] = ["--distributed-executor-backend", "mp"]
-    if workload == "W4":
-        config = engine_config(str(W4_TOML), **overrides)
-    elif workload == "W2":
-        config = engine_config("kv-retrieval", **W2_SETTINGS, **overrides)
-    else:
-        config = engine_config("arith", **overrides)
-    engine = Engine(config)
+    engine = Engine(workload_config(workload, **overrides))
     policy = GuardPolicy()
     times: list[float] = []
     phases: dict[str, list[float]] = {}
