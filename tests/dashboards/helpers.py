@@ -172,6 +172,23 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
+def metric_uses() -> set[tuple[str, str]]:
+    """(where, metric name) for every metric the dashboard's queries (where: the panel title)
+    and the alert rules (where: the alert) read."""
+    used = {
+        (title, name)
+        for title, expr in panel_exprs(load_dashboard())
+        for name in metric_names(expr)
+    }
+    used |= {(r["alert"], name) for r in load_alert_rules() for name in metric_names(r["expr"])}
+    return used
+
+
+def shown_families() -> set[str]:
+    """The contract families the dashboard's queries read."""
+    return {family(n) for _, expr in panel_exprs(load_dashboard()) for n in metric_names(expr)}
+
+
 def family(sample_name: str) -> str:
     """The contract family of a sample name (`grpod_phase_duration_seconds_bucket` ->
     `grpod_phase_duration_seconds`); unknown names come back unchanged."""

@@ -18,12 +18,13 @@ from tests.dashboards.helpers import (
     GRAFANA_BUILTINS,
     SYNTHETIC,
     family,
-    load_alert_rules,
     load_dashboard,
     metric_names,
+    metric_uses,
     panel_exprs,
     panels,
     promtool,
+    shown_families,
     substitute,
 )
 
@@ -136,21 +137,14 @@ def test_every_query_parses_as_promql(tmp_path: Path) -> None:
 
 
 def test_panels_and_alerts_use_only_contract_metrics() -> None:
-    used = {
-        (title, name)
-        for title, expr in panel_exprs(load_dashboard())
-        for name in metric_names(expr)
-    }
-    used |= {(r["alert"], name) for r in load_alert_rules() for name in metric_names(r["expr"])}
     unknown = sorted(
-        (where, n) for where, n in used if family(n) not in CONTRACT and n not in SYNTHETIC
+        (where, n) for where, n in metric_uses() if family(n) not in CONTRACT and n not in SYNTHETIC
     )
     assert not unknown, f"metrics not exported by the daemon: {unknown}"
 
 
 def test_every_contract_metric_has_a_panel() -> None:
-    shown = {family(n) for _, expr in panel_exprs(load_dashboard()) for n in metric_names(expr)}
-    assert set(CONTRACT) - shown == set()
+    assert set(CONTRACT) - shown_families() == set()
 
 
 def test_metric_scanner() -> None:

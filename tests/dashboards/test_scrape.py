@@ -14,11 +14,9 @@ from tests.dashboards.helpers import (
     CONTRACT,
     SYNTHETIC,
     family,
-    load_alert_rules,
-    load_dashboard,
-    metric_names,
-    panel_exprs,
+    metric_uses,
     promtool,
+    shown_families,
 )
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
@@ -85,20 +83,18 @@ def test_scrape_exports_the_contract(daemon_run: DaemonRun) -> None:
 
 def test_every_metric_used_by_panels_and_alerts_is_in_the_scrape(daemon_run: DaemonRun) -> None:
     samples = _sample_names(daemon_run.scrape)
-    used = {n for _, expr in panel_exprs(load_dashboard()) for n in metric_names(expr)}
-    used |= {n for rule in load_alert_rules() for n in metric_names(rule["expr"])}
+    used = {name for _, name in metric_uses()}
     missing = sorted(n for n in used - SYNTHETIC if n not in samples)
     assert not missing, f"read by panels/alerts, absent from a real scrape: {missing}"
 
 
 def test_every_exported_metric_has_a_panel(daemon_run: DaemonRun) -> None:
-    shown = {family(n) for _, expr in panel_exprs(load_dashboard()) for n in metric_names(expr)}
     exported = {
         family(n)
         for n in _declared(daemon_run.scrape)
         if n.startswith("grpod_") and not n.endswith("_created")
     }
-    assert exported - shown == set(), "exported metrics without a panel"
+    assert exported - shown_families() == set(), "exported metrics without a panel"
 
 
 def test_reward_functions_and_eval_match_the_store(daemon_run: DaemonRun) -> None:
