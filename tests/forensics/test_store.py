@@ -16,6 +16,7 @@ from sqlalchemy import func, select, text
 
 from grpod.engine import Outcome, StepReport, StepResult, TransportBatch, Verdict
 from grpod.engine.context import ExecutionContext
+from grpod.engine.train.stats import mismatch_stats
 from grpod.forensics import BlobStore, FlightRecorder, ForensicsConfig, ForensicsError, Store
 from grpod.forensics.models import Base, Blob, Checkpoint, Incident, Run, Step
 from grpod.forensics.store import NotedCheckpoint, RunSummary
@@ -63,14 +64,10 @@ def tiny_report(step: int, loss: float = 0.25) -> StepReport:
         clip_coef=0.66,
         zero_std_group_fraction=0.0,
         advantage_abs_max=0.5,
-        mismatch_mean=None,
-        mismatch_p90=None,
-        mismatch_p99=None,
-        mismatch_max=None,
-        mismatch_frac_above_0_1=None,
         completion_length_mean=4.0,
         num_micros=1,
         micro_order=[0],
+        **mismatch_stats(None, None),  # a step without sampler logprobs
     )
 
 
