@@ -90,6 +90,25 @@ class LedgerSpec:
             return None
 
 
+@dataclass(frozen=True)
+class LedgerRow:
+    """One prompt's row (without run_id and recorded_at). The defaults are an eval prompt's:
+    in no epoch, at no task row, rank 0, never dropped; a row is written live (not superseded).
+    """
+
+    step: int
+    fate: str
+    prompt_id: int
+    epoch: int | None = None
+    epoch_size: int | None = None
+    task_row: int | None = None
+    generation_pass: int = 0
+    rank: int = 0
+    stale_drops: int = 0
+    reason: str = ""
+    superseded: bool = False
+
+
 @lru_cache(maxsize=4)
 def _order(total: int, seed: int, epoch: int) -> tuple[int, ...]:
     return tuple(epoch_order(total, seed, epoch))
@@ -117,18 +136,19 @@ def step_rows(
         prompt_id = batch.generation * spec.prompts_per_step + group
         epoch, row = spec.locate(prompt_id)
         rows.append(
-            dict(
-                step=batch.step,
-                fate=fate,
-                prompt_id=prompt_id,
-                epoch=epoch,
-                epoch_size=spec.epoch_size,
-                task_row=row,
-                generation_pass=batch.step % spec.epochs,
-                rank=rank_of[group],
-                stale_drops=stale_drops,
-                reason="" if fate == "trained" else _reason(verdict),
-                superseded=False,
+            asdict(
+                LedgerRow(
+                    batch.step,
+                    fate,
+                    prompt_id,
+                    epoch=epoch,
+                    epoch_size=spec.epoch_size,
+                    task_row=row,
+                    generation_pass=batch.step % spec.epochs,
+                    rank=rank_of[group],
+                    stale_drops=stale_drops,
+                    reason="" if fate == "trained" else _reason(verdict),
+                )
             )
         )
     return rows
@@ -137,22 +157,7 @@ def step_rows(
 def eval_rows(step: int, samples: int) -> list[dict[str, Any]]:
     """The ledger rows of one held-out evaluation: its `samples` prompts, positions 0.. of
     the eval set (engine/grpo/eval.py)."""
-    return [
-        dict(
-            step=step,
-            fate="eval",
-            prompt_id=index,
-            epoch=None,
-            epoch_size=None,
-            task_row=None,
-            generation_pass=0,
-            rank=0,
-            stale_drops=0,
-            reason="",
-            superseded=False,
-        )
-        for index in range(samples)
-    ]
+    return [asdict(LedgerRow(step, "eval", index)) for index in range(samples)]
 
 
 def _reason(verdict: dict[str, Any]) -> str:
