@@ -50,6 +50,15 @@ LR = 1e-3
 OUT_DIR = ROOT / "bench" / "out"
 
 
+def numeric_options(doc: str, **defaults: int | float) -> argparse.Namespace:
+    """A bench's command line of numeric options only: `--first-seed` for `first_seed=0`,
+    of its default's type, described by the first line of the script's `doc`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    return parser.parse_args()
+
+
 def scaleout_parser(steps: int, warmup: int) -> argparse.ArgumentParser:
     """A scale-out bench's command line: `--steps` timed after `--warmup` untimed ones, and the
     hidden options it starts its own workers with (`--worker`, `--parallel`)."""

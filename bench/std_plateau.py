@@ -14,11 +14,10 @@ Prints one JSON line (and appends it to bench/out/results.jsonl).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-from common import bootstrap_ci95, emit, engine_config, set_threads
+from common import bootstrap_ci95, emit, engine_config, numeric_options, set_threads
 
 STDS = ("population", "sample")
 
@@ -50,12 +49,7 @@ def run_one(seed: int, std: str, steps: int, plateau: int) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=20)
-    parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--plateau", type=int, default=300)
-    args = parser.parse_args()
+    args = numeric_options(__doc__, seeds=20, first_seed=0, steps=400, plateau=300)
     set_threads()
     runs: dict[str, list[dict]] = {std: [] for std in STDS}
     for seed in range(args.first_seed, args.first_seed + args.seeds):

@@ -13,10 +13,17 @@ tiny next to the trunk's activations.
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from common import emit, engine_config, in_child, reset_peak, set_threads, status_kib
+from common import (
+    emit,
+    engine_config,
+    in_child,
+    numeric_options,
+    reset_peak,
+    set_threads,
+    status_kib,
+)
 
 CHUNKS = (1, 4, 16)
 MIB = 1024 * 1024
@@ -86,12 +93,9 @@ def _head_worker(conn, chunks: int, vocab: int, tokens: int, hidden: int) -> Non
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--long-fraction", type=float, default=0.25)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--stress-vocab", type=int, default=32000)
-    parser.add_argument("--stress-tokens", type=int, default=2048)
-    args = parser.parse_args()
+    args = numeric_options(
+        __doc__, long_fraction=0.25, steps=4, stress_vocab=32000, stress_tokens=2048
+    )
     # children: large buffers straight from mmap, so a freed tensor leaves RSS at once and the
     # high-water mark tracks live memory, not glibc's heap reuse
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"

@@ -62,18 +62,7 @@ def attribute_incidents(
     forensics = plan.config.forensics
 
     def done(record: AttributionRecord) -> None:
-        top = record.top or {}
-        log.info(
-            "incident attributed",
-            incident=record.incident_id,
-            attributed_step=record.step,
-            status=record.status,
-            note=record.note,
-            seconds=record.seconds,
-            top_sample=top.get("index"),
-            top_share=top.get("share"),
-            nonfinite=(record.attribution or {}).get("nonfinite"),
-        )
+        log.info("incident attributed", **record.log_fields())
         if observe is not None:
             observe(record)
 

@@ -100,6 +100,20 @@ class AttributionRecord:
         samples = (self.attribution or {}).get("samples") or []
         return samples[0] if samples else None
 
+    def log_fields(self) -> dict[str, Any]:
+        """The record's headline, as the daemon's `incident attributed` line carries it."""
+        top = self.top or {}
+        return dict(
+            incident=self.incident_id,
+            attributed_step=self.step,
+            status=self.status,
+            note=self.note,
+            seconds=self.seconds,
+            top_sample=top.get("index"),
+            top_share=top.get("share"),
+            nonfinite=(self.attribution or {}).get("nonfinite"),
+        )
+
 
 @dataclass(frozen=True)
 class _Job:

@@ -116,25 +116,16 @@ def _replay(args: argparse.Namespace) -> int:
         _attributable(args, run)
         return by_sample(args)
     progress = _ProgressBar() if sys.stderr.isatty() else None
+    which = dict(step=args.step, incident_id=args.incident, store_url=args.store_url)
     if run.trainer() == "trl":  # recorded by grpod.integrations.trl: through TRL's own loss
         from grpod.integrations.trl_replay import replay as replay_trl
 
         if args.rank is not None or args.trace:
             raise ForensicsError("replay of a TRL step: --rank and --trace are not supported")
         progress = None
-        result = replay_trl(
-            args.run_dir, step=args.step, incident_id=args.incident, store_url=args.store_url
-        )
+        result = replay_trl(args.run_dir, **which)
     else:
-        result = replay(
-            args.run_dir,
-            step=args.step,
-            incident_id=args.incident,
-            trace=args.trace,
-            store_url=args.store_url,
-            progress=progress,
-            rank=args.rank,
-        )
+        result = replay(args.run_dir, **which, trace=args.trace, progress=progress, rank=args.rank)
     if distributed.world_size() > 1:  # under torchrun: every rank replayed its part
         if distributed.rank() != 0:
             distributed.leave(0, together=True)
