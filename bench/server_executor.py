@@ -1,5 +1,8 @@
-"""The vLLM server's executor on the CPU: the model in the engine core's process (`uni`,
-grpod's default there) against a worker process of its own (`mp`, vLLM's CPU default).
+"""The vLLM server grpod starts, two ways side by side on the CPU: its executor
+(`--compare executor`, the default) or its weight push (`--compare push`).
+
+`--compare executor`: the model in the engine core's process (`uni`, grpod's default there)
+against a worker process of its own (`mp`, vLLM's CPU default).
 
 vLLM's multiprocess executor hands each step to its worker through a shared-memory queue
 whose reader busy-waits (sched_yield in a loop) for 1 s after every read before it sleeps
@@ -10,13 +13,19 @@ the worker stopped (SIGSTOP). grpod's server on a CPU now runs `--distributed-ex
 uni` with VLLM_ENABLE_V1_MULTIPROCESSING=0 (rollout_server.server_argv, vllm_server.server_env);
 `mp` is the same server with `vllm_server_args = ["--distributed-executor-backend", "mp"]`.
 
-Each round runs both executors, one after the other, each in a process of its own (two servers
+`--compare push`: `vllm_server_push = "shared-memory"` (grpod's default for its own server:
+the trainer's tensors copied into one shared region the server loads in place,
+engine/rollout/shared_weights.py) against `"snapshot"` (a safetensors file in /dev/shm that
+the server reloads).
+
+Each round runs both sides, one after the other, each in a process of its own (two servers
 at once would spin into each other), in alternating order; a side steps rollout -> accumulate ->
 apply under every guard (`decide_step`, the default `GuardPolicy`) on the vLLM server and
 reports its step's median and its phases' medians (`sync`: the push; `sync_check`: the trainer's
 side of the weight-sync check).
 
-    .venv/bin/python bench/server_executor.py [--workload W1|W2|W4] [--steps 12] [--rounds 1]
+    .venv/bin/python bench/server_executor.py [--compare executor|push] [--workload W1|W2|W4]
+        [--steps 12] [--rounds 1]
 
 Prints one JSON line (also appended to bench/out/results.jsonl).
 """
@@ -38,19 +47,25 @@ from common import emit, set_threads, workload_config  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 WARMUP = 3
+# each comparison's two sides: the engine overrides that make them (the first is the default)
+SIDES = {
+    "executor": {"uni": {}, "mp": {"vllm_server_args": ["--distributed-executor-backend", "mp"]}},
+    "push": {
+        "shared-memory": {"vllm_server_push": "shared-memory"},
+        "snapshot": {"vllm_server_push": "snapshot"},
+    },
+}
 
 
-def side(workload: str, executor: str, steps: int, out: mp.Queue) -> None:
-    """One executor's run: `steps` timed steps after WARMUP, their medians put on `out`."""
+def side(workload: str, overrides: dict, steps: int, out: mp.Queue) -> None:
+    """One side's run: `steps` timed steps after WARMUP, their medians put on `out`."""
     set_threads()
     from grpod.engine import Engine
     from grpod.engine.grpo.step import decide_step
     from grpod.guards import GuardPolicy
 
-    overrides = {"rollout_backend": "vllm-server", "vllm_server_python": str(VLLM_PYTHON)}
-    if executor == "mp":
-        overrides["vllm_server_args"] = ["--distributed-executor-backend", "mp"]
-    engine = Engine(workload_config(workload, **overrides))
+    server = {"rollout_backend": "vllm-server", "vllm_server_python": str(VLLM_PYTHON)}
+    engine = Engine(workload_config(workload, **server, **overrides))
     policy = GuardPolicy()
     times: list[float] = []
     phases: dict[str, list[float]] = {}
@@ -74,26 +89,29 @@ def side(workload: str, executor: str, steps: int, out: mp.Queue) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compare", choices=sorted(SIDES), default="executor")
     parser.add_argument("--workload", choices=("W1", "W2", "W4"), default="W1")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
-    runs: dict[str, list[dict]] = {"uni": [], "mp": []}
+    first, second = SIDES[args.compare]
+    runs: dict[str, list[dict]] = {first: [], second: []}
     for round_ in range(args.rounds):
-        for executor in ("uni", "mp") if round_ % 2 == 0 else ("mp", "uni"):
+        for name in (first, second) if round_ % 2 == 0 else (second, first):
             out = ctx.Queue()
-            proc = ctx.Process(target=side, args=(args.workload, executor, args.steps, out))
+            overrides = SIDES[args.compare][name]
+            proc = ctx.Process(target=side, args=(args.workload, overrides, args.steps, out))
             proc.start()
-            runs[executor].append(out.get())
+            runs[name].append(out.get())
             proc.join()
     sides = {}
-    for executor, results in runs.items():
+    for name, results in runs.items():
         steps = [t for r in results for t in r["step_s"]]
         median = statistics.median(steps)
         check = statistics.median(r["phases_median_s"].get("sync_check", 0.0) for r in results)
         push = statistics.median(r["phases_median_s"].get("sync", 0.0) for r in results)
-        sides[executor] = {
+        sides[name] = {
             "step_median_s": round(median, 4),
             "check_s": round(check, 4),
             "check_fraction": round(check / median, 4),
@@ -106,13 +124,16 @@ def main() -> None:
         }
     emit(
         {
-            "bench": "server_executor",
+            "bench": "server_executor" if args.compare == "executor" else "server_push",
             "workload": args.workload,
             "steps": args.steps,
             "rounds": args.rounds,
             "sides": sides,
-            "mp_over_uni_step": round(
-                sides["mp"]["step_median_s"] / sides["uni"]["step_median_s"], 3
+            f"{second}_over_{first}_step": round(
+                sides[second]["step_median_s"] / sides[first]["step_median_s"], 3
+            ),
+            f"{second}_over_{first}_push": round(
+                sides[second]["push_s"] / max(sides[first]["push_s"], 1e-9), 3
             ),
         }
     )

@@ -50,6 +50,7 @@ DRILL_STEPS = {
     "weight_sync_skip_steps": 3,
     "weight_sync_stale_cache_steps": 5,
     "weight_sync_corrupt_steps": 7,
+    "weight_sync_partial_steps": 9,
 }
 
 

@@ -55,6 +55,10 @@ class FaultsConfig(ConfigSection):
     weight_sync_corrupt_steps: list[int] = drill_steps(
         "vllm: the push's last untied matrix arrives shifted by one element"
     )
+    weight_sync_partial_steps: list[int] = drill_steps(
+        "vllm: the push leaves out its last untied matrix (the sampler keeps that tensor's "
+        "previous values: one layer a step stale)"
+    )
     stale_rollout_steps: list[int] = drill_steps(
         "max_staleness > 0: the step's rollout is sampled one step earlier than "
         "its bound allows (a sampler that ran ahead): it arrives too old and must be dropped "
@@ -97,11 +101,12 @@ class FaultsConfig(ConfigSection):
         )
 
     @property
-    def weight_sync_steps(self) -> tuple[list[int], list[int], list[int]]:
+    def weight_sync_steps(self) -> tuple[list[int], ...]:
         return (
             self.weight_sync_skip_steps,
             self.weight_sync_stale_cache_steps,
             self.weight_sync_corrupt_steps,
+            self.weight_sync_partial_steps,
         )
 
 
@@ -237,6 +242,15 @@ class EngineConfig(ConfigSection):
         description="vllm-server: where weight snapshots are written for the server to load "
         "(it must see the path); '' = a new directory in /dev/shm (or the temporary directory)",
     )
+    vllm_server_push: Literal["auto", "shared-memory", "snapshot"] = Field(
+        "auto",
+        description="vllm-server: how weights reach the server. 'shared-memory': in place, "
+        "from one shared region the server maps (it must run on this host with grpod "
+        "importable and --worker-extension-cls "
+        "grpod.engine.rollout.shared_weights.SharedWeightsWorker); 'snapshot': a safetensors "
+        "file it reloads; 'auto' = shared-memory for grpod's own server, snapshot for "
+        "vllm_server_url",
+    )
     vllm_server_timeout_seconds: Positive = Field(
         300.0, description="vllm-server: the longest wait for any one request's answer"
     )
@@ -371,7 +385,10 @@ class EngineConfig(ConfigSection):
             "vllm_server_sync_dir",
             "vllm_server_api_key_env",
         )
-        if self.rollout_backend != "vllm-server" and any(getattr(self, f) for f in server_fields):
+        pushed_otherwise = self.vllm_server_push != "auto"
+        if self.rollout_backend != "vllm-server" and (
+            pushed_otherwise or any(getattr(self, f) for f in server_fields)
+        ):
             raise ValueError("vllm_server_*: need rollout_backend = 'vllm-server'")
         if self.vllm_server_host != "127.0.0.1" or self.vllm_server_port:
             raise ValueError(

@@ -47,6 +47,7 @@ class Faults:
             "sync-skip": config.weight_sync_skip_steps,
             "sync-stale-cache": config.weight_sync_stale_cache_steps,
             "sync-corrupt": config.weight_sync_corrupt_steps,
+            "sync-partial": config.weight_sync_partial_steps,
             "stale-rollout": config.stale_rollout_steps,
             "poison-sample": config.poison_sample_steps,
         }
@@ -146,13 +147,15 @@ class Faults:
     def push(self, step: int | None) -> PushFaults:
         """The faults of the weight push before step `step`'s rollout (None: an eval's push,
         never faulted): sync-skip pushes nothing, sync-stale-cache keeps vLLM's prefix cache,
-        sync-corrupt shifts one matrix of the push by one element."""
+        sync-corrupt shifts one matrix of the push by one element, sync-partial leaves one
+        out."""
         if step is None:
             return PushFaults()
         return PushFaults(
             skip=step in self._steps["sync-skip"],
             keep_prefix_cache=step in self._steps["sync-stale-cache"],
             corrupt=step in self._steps["sync-corrupt"],
+            partial=step in self._steps["sync-partial"],
         )
 
     def early_rollout(self, step: int) -> bool:

@@ -73,6 +73,7 @@ class PushFaults:
     skip: bool = False  # nothing pushed (the sampler keeps its old weights)
     keep_prefix_cache: bool = False  # pushed, but the prefix cache not reset
     corrupt: bool = False  # one matrix of the push arrives shifted by one element
+    partial: bool = False  # one matrix left out of the push (the sampler keeps its old one)
 
 
 @dataclass(frozen=True)

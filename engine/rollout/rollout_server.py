@@ -6,18 +6,20 @@ forwarded line by line to the `vllm.server` logger, stopped with the engine; on 
 dies with the process that started it), or an existing one named by `vllm_server_url`.
 
 - **Who can reach it**: grpod's own server listens on a Unix socket (`--uds`) in a 0700
-  temporary directory, and the snapshots go to a 0700 temporary directory: no other user
+  temporary directory, and the pushed weights go to a 0700 temporary directory: no other user
   can drive its control routes (`/collective_rpc`, `/reset_prefix_cache`), sample from the
   policy, or put weights in its way (docs/SECURITY.md). A server named by `vllm_server_url`
   is the user's to protect; `vllm_server_api_key_env` names the variable holding its
   credential, sent as a bearer token with every request.
-- **Weights** travel through the filesystem, as prime-rl's do: every push writes the
-  trainer's tensors into one safetensors snapshot (a temporary directory, fsynced, renamed
-  into place: never half-written under its name) in the sync directory, asks the server's
-  workers to `reload_weights` from it (`/collective_rpc`; grpod starts the server with
-  `VLLM_SERVER_DEV_MODE=1`, an existing one needs it too), removes the previous snapshot,
-  then `/reset_prefix_cache`. The server must see the directory: same host, or a shared
-  filesystem (`vllm_server_sync_dir`).
+- **Weights** go into the running server in place (`vllm_server_push`, 'auto'): grpod starts
+  its server with a worker extension (`engine/rollout/shared_weights.py`) that maps one shared
+  region in the sync directory (/dev/shm); every push copies the trainer's tensors into it
+  and asks the server's workers to load it through vLLM's own in-place reload
+  (`/collective_rpc`; grpod starts the server with `VLLM_SERVER_DEV_MODE=1`), then
+  `/reset_prefix_cache`. A server named by `vllm_server_url` takes snapshots instead, as
+  prime-rl's do: every push writes one safetensors file (a new directory, removed after the
+  next push) that its workers `reload_weights` from. Either way the server must see the sync
+  directory: same host, or for snapshots a shared filesystem (`vllm_server_sync_dir`).
 - **Completions** are requested by token ids (the server runs without a tokenizer), one
   `/v1/completions` request per completion, seeded as the colocated sampler seeds them, all
   in flight at once (the server batches them); ids come back as `token_id:N` with each
@@ -47,6 +49,7 @@ from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError, SamplerError
 from grpod.engine.rollout.rollout_vllm import ServedModel, to_rollout, weights_to_push
 from grpod.engine.rollout.sampler import Rollout, SamplingSettings
+from grpod.engine.rollout.shared_weights import RPC_METHOD, SharedWeights, SharedWeightsWorker
 from grpod.engine.rollout.vllm_limits import BLOCK_TOKENS, CPU_KV_CACHE_BYTES
 from grpod.engine.rollout.vllm_server import (
     EXIT_GRACE_SECONDS,
@@ -89,6 +92,9 @@ class ServerSampler:
             self.sync_dir.mkdir(parents=True, exist_ok=True)
         self._snapshot: Path | None = None
         self._pushes = 0
+        self._shared: SharedWeights | None = None  # in-place pushes (vllm_server_push)
+        if self.sync_dir is not None and push_in_place(config):
+            self._shared = SharedWeights(self.sync_dir)
         self._pool = ThreadPoolExecutor(MAX_REQUESTS_IN_FLIGHT, thread_name_prefix="vllm-request")
         url = peer_of or config.vllm_server_url
         self._socket_dir: Path | None = None  # grpod's own server's socket, 0700
@@ -117,36 +123,46 @@ class ServerSampler:
             raise
 
     def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> None:
-        """Write `model`'s weights into a new snapshot, have the server reload from it, then
-        reset its prefix cache. A snapshot is a transfer, read once by the server right after
-        it is written: never fsynced (a crash loses nothing the checkpoints do not hold)."""
+        """Put `model`'s weights into the server (in place through shared memory, or a
+        snapshot it reloads: `vllm_server_push`), then reset its prefix cache."""
         if self.sync_dir is None:
             raise EngineError("a peer rank pushed to its node's rollout server (local rank 0 does)")
         faults = faults or PushFaults()
         if faults.skip:
             return
+        weights = weights_to_push(model, faults)
+        if self._shared is not None:
+            manifest = self._shared.write(weights)
+            kwargs = {"path": str(self._shared.path), "manifest": manifest}
+            self._rpc(RPC_METHOD, kwargs, "a shared-memory load")
+        else:
+            self._push_snapshot(weights)
+        if not faults.keep_prefix_cache:
+            self.client.post("/reset_prefix_cache")
+
+    def _push_snapshot(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Write `weights` into a new snapshot and have the server reload from it. A snapshot
+        is a transfer, read once by the server right after it is written: never fsynced (a
+        crash loses nothing the checkpoints do not hold)."""
+        assert self.sync_dir is not None
         self._pushes += 1
         snapshot = self.sync_dir / f"weights-{self._pushes:08d}"
         shutil.rmtree(snapshot, ignore_errors=True)  # a previous process's, in a given sync dir
         snapshot.mkdir(mode=0o700)
         from safetensors.torch import save_file
 
-        save_file(_unshared(weights_to_push(model, faults)), str(snapshot / SNAPSHOT))
-        answer = self.client.post(
-            "/collective_rpc",
-            {
-                "method": "reload_weights",
-                "kwargs": {"weights_path": str(snapshot)},
-                "timeout": self.client.timeout,
-            },
-        )
-        if not isinstance(answer, dict) or "results" not in answer:
-            raise self.client.error("/collective_rpc", f"answered {short_json(answer)} to a reload")
+        save_file(_unshared(weights), str(snapshot / SNAPSHOT))
+        self._rpc("reload_weights", {"weights_path": str(snapshot)}, "a reload")
         previous, self._snapshot = self._snapshot, snapshot
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
-        if not faults.keep_prefix_cache:
-            self.client.post("/reset_prefix_cache")
+
+    def _rpc(self, method: str, kwargs: dict[str, Any], what: str) -> None:
+        """Run `method` on the server's workers (`/collective_rpc`)."""
+        body = {"method": method, "kwargs": kwargs, "timeout": self.client.timeout}
+        answer = self.client.post("/collective_rpc", body)
+        if not isinstance(answer, dict) or "results" not in answer:
+            raise self.client.error("/collective_rpc", f"answered {short_json(answer)} to {what}")
 
     def sample(
         self, prompts: list[list[int]], settings: SamplingSettings, probe: list[int] | None = None
@@ -186,6 +202,8 @@ class ServerSampler:
             self.process.stop()
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
+        if self._shared is not None:
+            self._shared.close()
         if self._own_sync_dir:
             shutil.rmtree(self.sync_dir, ignore_errors=True)
         elif self._snapshot is not None:
@@ -284,7 +302,17 @@ def server_argv(config: EngineConfig, served: ServedModel, url: str) -> list[str
         # cannot: the engine core dies (tests/vllm/test_long_prompts.py)
         argv.append("--no-enable-chunked-prefill")
         argv += ["--block-size", str(BLOCK_TOKENS["cpu"])]  # vllm_server_args may say otherwise
+    if push_in_place(config):
+        argv += ["--worker-extension-cls", f"{SharedWeightsWorker.__module__}.SharedWeightsWorker"]
     return argv + list(config.vllm_server_args)
+
+
+def push_in_place(config: EngineConfig) -> bool:
+    """Whether pushes go through shared memory (`vllm_server_push`; 'auto': for grpod's own
+    server, which it starts with the worker extension that loads them)."""
+    if config.vllm_server_push == "auto":
+        return not config.vllm_server_url
+    return config.vllm_server_push == "shared-memory"
 
 
 def math_float(value: Any) -> float:

@@ -243,11 +243,13 @@ def to_rollout(
 
 def weights_to_push(model: torch.nn.Module, faults: PushFaults) -> list[tuple[str, torch.Tensor]]:
     """`model`'s tensors by name as a push sends them (with the corrupt drill's off-by-one
-    in the transfer of one matrix when asked for)."""
+    in the transfer of one matrix, or the partial drill's matrix left out, when asked for)."""
     weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
     if faults.corrupt:
         i = _last_untied_matrix(weights)
         weights[i] = (weights[i][0], weights[i][1].flatten().roll(1).view_as(weights[i][1]))
+    if faults.partial:
+        del weights[_last_untied_matrix(weights)]
     return weights
 
 

@@ -97,7 +97,7 @@ def test_a_colocated_campaign_samples_from_the_policy_being_trained(tmp_path: Pa
 
 
 def test_each_weight_sync_drill_is_caught_on_its_first_step() -> None:
-    drills = {2: "sync-skip", 4: "sync-stale-cache", 6: "sync-corrupt"}
+    drills = {2: "sync-skip", 4: "sync-stale-cache", 6: "sync-corrupt", 8: "sync-partial"}
     engine = Engine(
         vllm_config(
             max_new_tokens=2,
@@ -106,11 +106,12 @@ def test_each_weight_sync_drill_is_caught_on_its_first_step() -> None:
                 "weight_sync_skip_steps": [2],
                 "weight_sync_stale_cache_steps": [4],
                 "weight_sync_corrupt_steps": [6],
+                "weight_sync_partial_steps": [8],
             },
         )
     )
     policy = GuardPolicy()  # weight_sync's default action: HALT
-    for step in range(8):
+    for step in range(10):
         before = engine.state_digest()
         batch = engine.rollout()
         result = decide_step(engine, policy, batch)
@@ -129,7 +130,7 @@ def test_each_weight_sync_drill_is_caught_on_its_first_step() -> None:
         assert engine.weight_version == batch.weight_version
         if drills[step] == "sync-stale-cache":  # the probe's blocks from the last step served
             assert check.cached_tokens > 0
-    assert engine.weight_version == 5
+    assert engine.weight_version == 6
 
     # a NaN or -inf logprob from vLLM (near zero entropy: trl#6166) is kept and flushed
     for value in (math.nan, -math.inf):

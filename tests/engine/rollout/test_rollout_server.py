@@ -5,6 +5,7 @@ retry. The real vLLM server runs in tests/vllm (`make test-vllm`)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -23,8 +24,10 @@ import torch
 from grpod.engine import Engine, EngineError
 from grpod.engine.errors import SamplerError
 from grpod.engine.grpo.preflight import preflight
-from grpod.engine.rollout.rollout_server import ServerSampler
+from grpod.engine.rollout.rollout_server import ServerSampler, server_argv
+from grpod.engine.rollout.rollout_vllm import ServedModel
 from grpod.engine.rollout.sampler import SamplingSettings
+from grpod.engine.rollout.shared_weights import RPC_METHOD, SharedWeightsWorker
 from grpod.engine.rollout.vllm_server import ServerClient, ServerProcess, free_port
 from tests.engine.helpers import config
 
@@ -210,6 +213,67 @@ def test_a_push_writes_one_complete_snapshot_and_reloads_from_it(stand_in, tmp_p
     assert [b["route"] for b in bodies].count("/reset_prefix_cache") == 2
 
 
+class RecordingWorker(SharedWeightsWorker):
+    """vLLM's worker as the extension sees it: `reload_weights` takes an iterator of
+    (name, tensor) pairs; this one keeps copies of what it was handed."""
+
+    def __init__(self) -> None:
+        self.loads: list[dict[str, torch.Tensor]] = []
+
+    def reload_weights(self, weights_iterator) -> None:
+        self.loads.append({name: tensor.clone() for name, tensor in weights_iterator})
+
+
+def test_an_in_place_push_rewrites_one_shared_region_the_server_loads(
+    stand_in, tmp_path: Path
+) -> None:
+    worker = RecordingWorker()
+    bodies: list[dict[str, Any]] = []
+
+    def loading(route: str, body: dict[str, Any]):
+        bodies.append({"route": route, **body})
+        if route == "/collective_rpc":  # what the server's workers run for this RPC
+            result = getattr(worker, body["method"])(**body["kwargs"])
+            return 200, json.dumps({"results": [result]}).encode()
+        return healthy(route, body)
+
+    server = stand_in(loading)
+    engine = Engine(server_config(server.url, tmp_path, vllm_server_push="shared-memory"))
+    engine.start_sampler()
+    model = engine.rollout_model
+    engine.vllm.push(model)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # a training step
+    engine.vllm.push(model)
+    rpcs = [b for b in bodies if b["route"] == "/collective_rpc"]
+    assert [b["method"] for b in rpcs] == [RPC_METHOD] * 2
+    region = Path(rpcs[0]["kwargs"]["path"])
+    assert rpcs[1]["kwargs"]["path"] == str(region)  # rewritten in place, not made anew
+    assert region.parent == tmp_path / "sync" and region.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in region.parent.iterdir()] == [region.name]  # no snapshot
+    expected = model.state_dict()
+    for loaded in worker.loads:
+        assert list(loaded) == list(expected)  # a tied head under both names
+    for name, tensor in worker.loads[1].items():
+        assert torch.equal(tensor, expected[name]), name
+    first = next(iter(expected))
+    assert torch.equal(worker.loads[0][first] + 1.0, worker.loads[1][first])
+    assert [b["route"] for b in bodies].count("/reset_prefix_cache") == 2
+    engine.close()
+    assert not region.exists()
+
+
+def test_the_server_grpod_starts_loads_pushes_through_its_worker_extension() -> None:
+    cfg = config(rollout_backend="vllm-server")
+    served = ServedModel(Engine(cfg).rollout_model, cfg, 16, "cpu")
+    argv = server_argv(cfg, served, "unix:/tmp/x.sock")
+    extension = argv[argv.index("--worker-extension-cls") + 1]
+    module, _, name = extension.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is SharedWeightsWorker
+    snapshot = config(rollout_backend="vllm-server", vllm_server_push="snapshot")
+    assert "--worker-extension-cls" not in server_argv(snapshot, served, "unix:/tmp/x.sock")
+
+
 @pytest.mark.parametrize(
     ("answer", "message"),
     [
@@ -369,6 +433,8 @@ def test_no_server_at_the_socket_fails_at_start(tmp_path: Path) -> None:
         ({"vllm_server_host": "0.0.0.0"}, "grpod's own server listens on a Unix socket"),
         ({"vllm_server_api_key_env": "KEY"}, "for a server named by vllm_server_url"),
         ({"vllm_server_url": "http://h:1", "vllm_server_api_key_env": "A-B"}, "api_key_env"),
+        ({"rollout_backend": "vllm", "vllm_server_push": "snapshot"}, "need rollout_backend"),
+        ({"vllm_server_push": "disk"}, "vllm_server_push"),
     ],
 )
 def test_server_settings_are_checked_in_the_config(overrides: dict, message: str) -> None:
