@@ -406,6 +406,14 @@ class EngineConfig(ConfigSection):
         self._check_staleness()
         return self
 
+    @property
+    def vllm_server_push_in_place(self) -> bool:
+        """Whether pushes reach the server through shared memory (`vllm_server_push`;
+        'auto': for grpod's own server, which it starts with the worker extension)."""
+        if self.vllm_server_push == "auto":
+            return not self.vllm_server_url
+        return self.vllm_server_push == "shared-memory"
+
     def _check_staleness(self) -> None:
         if self.max_staleness == 0:
             if self.faults.stale_rollout_steps:

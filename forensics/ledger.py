@@ -108,6 +108,11 @@ class LedgerRow:
     reason: str = ""
     superseded: bool = False
 
+    def columns(self) -> dict[str, Any]:
+        """The row as the table's column values (a shallow copy: `dataclasses.asdict`'s
+        recursive deep copy cost the recorder's writer ~0.3 ms a W1 step)."""
+        return dict(vars(self))
+
 
 @lru_cache(maxsize=4)
 def _order(total: int, seed: int, epoch: int) -> tuple[int, ...]:
@@ -136,20 +141,18 @@ def step_rows(
         prompt_id = batch.generation * spec.prompts_per_step + group
         epoch, row = spec.locate(prompt_id)
         rows.append(
-            asdict(
-                LedgerRow(
-                    batch.step,
-                    fate,
-                    prompt_id,
-                    epoch=epoch,
-                    epoch_size=spec.epoch_size,
-                    task_row=row,
-                    generation_pass=batch.step % spec.epochs,
-                    rank=rank_of[group],
-                    stale_drops=stale_drops,
-                    reason="" if fate == "trained" else _reason(verdict),
-                )
-            )
+            LedgerRow(
+                batch.step,
+                fate,
+                prompt_id,
+                epoch=epoch,
+                epoch_size=spec.epoch_size,
+                task_row=row,
+                generation_pass=batch.step % spec.epochs,
+                rank=rank_of[group],
+                stale_drops=stale_drops,
+                reason="" if fate == "trained" else _reason(verdict),
+            ).columns()
         )
     return rows
 
@@ -157,7 +160,7 @@ def step_rows(
 def eval_rows(step: int, samples: int) -> list[dict[str, Any]]:
     """The ledger rows of one held-out evaluation: its `samples` prompts, positions 0.. of
     the eval set (engine/grpo/eval.py)."""
-    return [asdict(LedgerRow(step, "eval", index)) for index in range(samples)]
+    return [LedgerRow(step, "eval", index).columns() for index in range(samples)]
 
 
 def _reason(verdict: dict[str, Any]) -> str:

@@ -188,7 +188,8 @@ def _reward_once(config: EngineConfig, task: Task) -> None:
 
 def _check_vllm(config: EngineConfig) -> None:
     """The vLLM that the rollout backend needs is there: this interpreter's for `vllm` and
-    grpod's own server; `vllm_server_python`'s for that one (an existing server's is its own)."""
+    grpod's own server; `vllm_server_python`'s for that one, with grpod when it loads the
+    pushes in place (an existing server's is its own)."""
     backend = config.rollout_backend
     if backend not in VLLM_BACKENDS or config.vllm_server_url:
         return
@@ -202,10 +203,19 @@ def _check_vllm(config: EngineConfig) -> None:
         return
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         raise EngineError(f"vllm_server_python {python}: not an executable file")
-    found = subprocess.run(
-        [python, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"],
-        capture_output=True,
-        timeout=60,
+    # grpod too where the server loads pushes through grpod's worker extension
+    wanted = ["vllm", "grpod"] if config.vllm_server_push_in_place else ["vllm"]
+    script = (
+        "import importlib.util as u, sys; print(*(m for m in sys.argv[1:] if not u.find_spec(m)))"
     )
-    if found.returncode != 0:
+    found = subprocess.run(
+        [python, "-c", script, *wanted], capture_output=True, text=True, timeout=60
+    )
+    missing = found.stdout.split() if found.returncode == 0 else wanted
+    if "vllm" in missing:
         raise EngineError(f"vllm_server_python {python}: has no vllm (pip install vllm there)")
+    if missing:
+        raise EngineError(
+            f"vllm_server_python {python}: has no grpod, whose worker extension loads the "
+            "shared-memory pushes (install grpod there, or vllm_server_push = 'snapshot')"
+        )

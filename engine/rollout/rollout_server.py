@@ -93,7 +93,7 @@ class ServerSampler:
         self._snapshot: Path | None = None
         self._pushes = 0
         self._shared: SharedWeights | None = None  # in-place pushes (vllm_server_push)
-        if self.sync_dir is not None and push_in_place(config):
+        if self.sync_dir is not None and config.vllm_server_push_in_place:
             self._shared = SharedWeights(self.sync_dir)
         self._pool = ThreadPoolExecutor(MAX_REQUESTS_IN_FLIGHT, thread_name_prefix="vllm-request")
         url = peer_of or config.vllm_server_url
@@ -302,17 +302,9 @@ def server_argv(config: EngineConfig, served: ServedModel, url: str) -> list[str
         # cannot: the engine core dies (tests/vllm/test_long_prompts.py)
         argv.append("--no-enable-chunked-prefill")
         argv += ["--block-size", str(BLOCK_TOKENS["cpu"])]  # vllm_server_args may say otherwise
-    if push_in_place(config):
+    if config.vllm_server_push_in_place:
         argv += ["--worker-extension-cls", f"{SharedWeightsWorker.__module__}.SharedWeightsWorker"]
     return argv + list(config.vllm_server_args)
-
-
-def push_in_place(config: EngineConfig) -> bool:
-    """Whether pushes go through shared memory (`vllm_server_push`; 'auto': for grpod's own
-    server, which it starts with the worker extension that loads them)."""
-    if config.vllm_server_push == "auto":
-        return not config.vllm_server_url
-    return config.vllm_server_push == "shared-memory"
 
 
 def math_float(value: Any) -> float:

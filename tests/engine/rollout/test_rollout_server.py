@@ -454,6 +454,22 @@ def test_preflight_names_a_server_interpreter_without_vllm(tmp_path: Path) -> No
         preflight(config(rollout_backend="vllm-server"))
 
 
+def test_preflight_names_a_server_interpreter_without_grpod_for_in_place_pushes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    python = tmp_path / "python"  # a vLLM environment without grpod
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys._base_executable} "$@"\n')
+    python.chmod(0o755)
+    monkeypatch.chdir(tmp_path)  # not the checkout, whose grpod/ a `python -c` would find
+    server = dict(rollout_backend="vllm-server", vllm_server_python=str(python))
+    with pytest.raises(EngineError, match=f"vllm_server_python {python}: has no grpod"):
+        preflight(config(**server))
+    preflight(config(**server, vllm_server_push="snapshot"))  # snapshots need no extension
+
+
 def importlib_has_vllm() -> bool:
     import importlib.util
 
