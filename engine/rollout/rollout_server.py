@@ -134,7 +134,13 @@ class ServerSampler:
         if self._shared is not None:
             manifest = self._shared.write(weights)
             kwargs = {"path": str(self._shared.path), "manifest": manifest}
-            self._rpc(RPC_METHOD, kwargs, "a shared-memory load")
+            results = self._rpc(RPC_METHOD, kwargs, "a shared-memory load")
+            loaded = [r.get("tensors") if isinstance(r, dict) else r for r in results]
+            if not loaded or any(n != len(manifest) for n in loaded):
+                raise self.client.error(
+                    "/collective_rpc",
+                    f"loaded {loaded} tensors of a shared-memory push of {len(manifest)}",
+                )
         else:
             self._push_snapshot(weights)
         if not faults.keep_prefix_cache:
@@ -157,12 +163,13 @@ class ServerSampler:
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
 
-    def _rpc(self, method: str, kwargs: dict[str, Any], what: str) -> None:
-        """Run `method` on the server's workers (`/collective_rpc`)."""
+    def _rpc(self, method: str, kwargs: dict[str, Any], what: str) -> list[Any]:
+        """Run `method` on the server's workers (`/collective_rpc`); each worker's result."""
         body = {"method": method, "kwargs": kwargs, "timeout": self.client.timeout}
         answer = self.client.post("/collective_rpc", body)
-        if not isinstance(answer, dict) or "results" not in answer:
+        if not isinstance(answer, dict) or not isinstance(answer.get("results"), list):
             raise self.client.error("/collective_rpc", f"answered {short_json(answer)} to {what}")
+        return answer["results"]
 
     def sample(
         self, prompts: list[list[int]], settings: SamplingSettings, probe: list[int] | None = None

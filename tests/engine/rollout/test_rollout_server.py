@@ -263,6 +263,24 @@ def test_an_in_place_push_rewrites_one_shared_region_the_server_loads(
     assert not region.exists()
 
 
+def test_a_server_that_loads_part_of_an_in_place_push_fails_the_push(
+    stand_in, tmp_path: Path
+) -> None:
+    def partial(route: str, body: dict[str, Any]):
+        if route == "/collective_rpc":  # a worker that took 3 of the push's tensors
+            return 200, json.dumps({"results": [{"tensors": 3, "bytes": 64}]}).encode()
+        return healthy(route, body)
+
+    server = stand_in(partial)
+    engine = Engine(server_config(server.url, tmp_path, vllm_server_push="shared-memory"))
+    engine.start_sampler()
+    count = len(engine.rollout_model.state_dict())
+    with pytest.raises(
+        SamplerError, match=rf"loaded \[3\] tensors of a shared-memory push of {count}"
+    ):
+        engine.vllm.push(engine.rollout_model)
+
+
 def test_the_server_grpod_starts_loads_pushes_through_its_worker_extension() -> None:
     cfg = config(rollout_backend="vllm-server")
     served = ServedModel(Engine(cfg).rollout_model, cfg, 16, "cpu")
