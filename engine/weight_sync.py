@@ -46,6 +46,9 @@ class WeightSyncCheck:
     tokens: int  # tokens compared (scored probe tokens after the first, and the continuation)
     cached_tokens: int  # probe tokens the continuation read from the sampler's prefix cache
     dtype: str  # the trainer's compute dtype (the guard's threshold depends on it)
+    # the sampler's parameters the push did not load (the backends that can tell: vLLM's
+    # colocated sampler and grpod's own server; a snapshot-loading server says nothing)
+    unloaded: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -61,6 +64,7 @@ class WeightSyncCheck:
                 tokens=int(data["tokens"]),
                 cached_tokens=int(data["cached_tokens"]),
                 dtype=str(data["dtype"]),
+                unloaded=tuple(str(name) for name in data.get("unloaded", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(f"weight_sync: {exc!r}") from None
@@ -104,6 +108,7 @@ def compare(
     *,
     version: int,
     dtype: str,
+    unloaded: tuple[str, ...] = (),
 ) -> WeightSyncCheck:
     """The check from the sampler's `scores` and the trainer's logprobs of the probe's first
     `len(trainer) + 1` tokens (`engine.model.head.sequence_logprobs`). Position p is token p
@@ -133,6 +138,7 @@ def compare(
         tokens=int(diff.numel()),
         cached_tokens=scores.cached_tokens,
         dtype=dtype,
+        unloaded=unloaded,
     )
 
 

@@ -4,7 +4,10 @@ After every push into a separate sampler (vLLM), the engine has both sides score
 probe (`engine/weight_sync.py`) and the batch carries the result. Above the dtype's
 threshold, or with a non-finite logprob on either side, the step's rollout came from other
 weights than the policy's (a skipped or partial push, a prefix cache still holding KV blocks
-of older weights): at FLUSH or HALT its compute is skipped, so nothing is trained on it.
+of older weights): at FLUSH or HALT its compute is skipped, so nothing is trained on it. A
+sampler that says it did not load some of its parameters (vLLM colocated, grpod's own
+server) fails the check whatever the probe reads: one stale matrix can move the probe less
+than bf16's rounding does.
 """
 
 from __future__ import annotations
@@ -30,16 +33,24 @@ class WeightSyncGuard(Guard):
             if check.dtype == "bfloat16"
             else self.config.max_nats_float32
         )
-        if math.isfinite(check.max_abs_diff) and check.max_abs_diff <= limit:
+        agrees = math.isfinite(check.max_abs_diff) and check.max_abs_diff <= limit
+        if agrees and not check.unloaded:
             return batch, []
+        names = ", ".join(check.unloaded[:3]) + (", ..." if len(check.unloaded) > 3 else "")
+        said = (
+            f"did not load {len(check.unloaded)} of its parameters ({names}; "
+            if check.unloaded
+            else "disagrees with the trainer ("
+        )
         finding = self.finding(
-            f"weight sync: the sampler disagrees with the trainer (max |Δ| "
-            f"{check.max_abs_diff:.3g} nats at token {check.position} of the probe, "
+            f"weight sync: the sampler {said}max |Δ| {check.max_abs_diff:.3g} nats at token "
+            f"{check.position} of the probe, "
             f"{check.tokens} tokens compared, weight version {check.version}; limit {limit:g})",
             max_abs_logprob_diff=check.max_abs_diff,
             position=float(check.position),
             weight_version=float(check.version),
             cached_tokens=float(check.cached_tokens),
             threshold=limit,
+            unloaded_parameters=float(len(check.unloaded)),
         )
         return (None if self.action >= Action.FLUSH else batch), [finding]

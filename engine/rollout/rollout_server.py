@@ -122,15 +122,17 @@ class ServerSampler:
             self.close()
             raise
 
-    def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> None:
+    def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> tuple[str, ...]:
         """Put `model`'s weights into the server (in place through shared memory, or a
-        snapshot it reloads: `vllm_server_push`), then reset its prefix cache."""
+        snapshot it reloads: `vllm_server_push`), then reset its prefix cache; returns the
+        server's parameters an in-place push did not load (a snapshot's: not known, ())."""
         if self.sync_dir is None:
             raise EngineError("a peer rank pushed to its node's rollout server (local rank 0 does)")
         faults = faults or PushFaults()
         if faults.skip:
-            return
+            return ()
         weights = weights_to_push(model, faults)
+        unloaded: set[str] = set()
         if self._shared is not None:
             manifest = self._shared.write(weights)
             kwargs = {"path": str(self._shared.path), "manifest": manifest}
@@ -141,10 +143,13 @@ class ServerSampler:
                     "/collective_rpc",
                     f"loaded {loaded} tensors of a shared-memory push of {len(manifest)}",
                 )
+            for result in results:
+                unloaded.update(result.get("unloaded", ()) if isinstance(result, dict) else ())
         else:
             self._push_snapshot(weights)
         if not faults.keep_prefix_cache:
             self.client.post("/reset_prefix_cache")
+        return tuple(sorted(unloaded))
 
     def _push_snapshot(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Write `weights` into a new snapshot and have the server reload from it. A snapshot

@@ -31,6 +31,7 @@ from grpod.base.oneline import one_line
 from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
 from grpod.engine.rollout.sampler import Rollout, SamplingSettings
+from grpod.engine.rollout.shared_weights import reload_attested
 from grpod.engine.rollout.vllm_limits import BLOCK_TOKENS, CPU_KV_CACHE_BYTES, served_lengths
 from grpod.engine.weight_sync import CONTINUATION_TOKENS, ProbeScores, PushFaults
 
@@ -129,15 +130,17 @@ class VLLMSampler:
         """Let go of the engine (its memory goes with the last reference)."""
         self.llm = None
 
-    def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> None:
-        """Load `model`'s weights into vLLM, then reset its prefix cache."""
+    def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> tuple[str, ...]:
+        """Load `model`'s weights into vLLM, then reset its prefix cache; returns vLLM's
+        parameters the push did not load."""
         faults = faults or PushFaults()
         if faults.skip:
-            return
+            return ()
         weights = weights_to_push(model, faults)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        unloaded = self.llm.collective_rpc(reload_attested, args=(weights,))
         if not faults.keep_prefix_cache:
             self.llm.reset_prefix_cache()
+        return tuple(sorted({name for names in unloaded for name in names}))
 
     def sample(
         self, prompts: list[list[int]], settings: SamplingSettings, probe: list[int] | None = None

@@ -62,9 +62,10 @@ class Sampler(Protocol):
         """The weight-sync probe's length this backend scores (0: it holds no copy to check)."""
         ...
 
-    def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> None:
+    def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> tuple[str, ...]:
         """Take `model`'s weights (a backend that samples `model` itself has nothing to do);
-        `faults`: the weight-sync drills (engine/faults.py)."""
+        `faults`: the weight-sync drills (engine/faults.py). Returns the sampler's parameters
+        the push did not load, where the backend can tell (else ())."""
         ...
 
     def sample(

@@ -140,6 +140,7 @@ class Sampling:
         self.vllm: Sampler | None = None
         self.torch_sampler = TorchSampler(self.rollout_model, config)  # the in-process backend
         self.weight_sync: WeightSyncCheck | None = None  # the last push's check (vllm)
+        self._unloaded: tuple[str, ...] = ()  # the last push's parameters the sampler kept
         self.probe: list[int] = []  # the weight-sync probe (engine/weight_sync.py)
         server = config.rollout_backend == "vllm-server"
         # async steps with a server: its rollouts sample on one background thread
@@ -294,7 +295,7 @@ class Sampling:
         then scores the weight-sync probe (engine/weight_sync.py)."""
         self.start()
         with self.clock.timed("sync"):
-            self.vllm.push(self.rollout_model, self.faults.push(step))
+            self._unloaded = self.vllm.push(self.rollout_model, self.faults.push(step))
 
     def start(self) -> None:
         """Start the vLLM sampler the config names: colocated, or a server process (a no-op
@@ -353,6 +354,7 @@ class Sampling:
                 trainer,
                 version=self.weight_version(),
                 dtype=self.config.dtype,
+                unloaded=self._unloaded,
             )
 
 

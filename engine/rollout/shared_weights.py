@@ -14,7 +14,8 @@ Both sides of one transfer, in one module so that the layout is written down onc
   mixes it into its worker class) maps the same file once and hands vLLM's own in-place
   reload (`reload_weights(weights_iterator=...)`, the colocated sampler's path) views of it:
   the one copy is vLLM's, into its parameters, with its own name mapping (fused q/k/v,
-  gate/up) and post-load processing.
+  gate/up) and post-load processing. It answers with the parameters the reload did not
+  load (`reload_attested`), which the weight-sync check fails on.
 
 The server must run on this host and be able to import `grpod` (grpod's own server is
 started from an environment that has it). A push is synchronous: the trainer rewrites the
@@ -131,8 +132,31 @@ class SharedWeightsWorker:
             region = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
             mapped = self._grpod_region = (path, size, region)
         weights = views(mapped[2], manifest)
-        self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
-        return {"tensors": len(weights), "bytes": size}
+        unloaded = reload_attested(self, weights)
+        return {"tensors": len(weights), "bytes": size, "unloaded": unloaded}
+
+
+def reload_attested(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """vLLM's in-place reload of `weights` on `worker` (a vLLM worker), and the names of the
+    model's parameters it did not load: what its reload computes and only logs (a tensor
+    left out of a push, or one under a name the model does not map, keeps its old values).
+    Runs in vLLM's worker, from the server's extension or the colocated sampler's RPC."""
+    model = worker.model_runner.get_model()
+    expected = {name for name, _ in model.named_parameters()}
+    loaded: set[str] = set()
+    load_weights = model.load_weights
+
+    def recording(named_weights: Any) -> Any:
+        names = load_weights(named_weights)
+        loaded.update(names or ())
+        return names
+
+    model.load_weights = recording  # an instance attribute over the method, for this reload
+    try:
+        worker.reload_weights(weights_iterator=iter(weights))
+    finally:
+        del model.load_weights
+    return sorted(expected - loaded)
 
 
 def _padded(nbytes: int) -> int:

@@ -186,8 +186,9 @@ class TorchSampler:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, probe_tokens: int = 0) -> None:
         self.model, self.config = model, config
 
-    def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> None:
+    def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> tuple[str, ...]:
         """Nothing to take: `model` is the module this sampler samples."""
+        return ()
 
     def sample(
         self, prompts: list[list[int]], settings: SamplingSettings, probe: list[int] | None = None

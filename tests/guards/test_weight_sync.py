@@ -51,3 +51,31 @@ def test_the_limit_follows_the_trainers_dtype_and_warn_trains_on() -> None:
     _, findings, skip = before(replace(CHECK, max_abs_diff=1.0), action="WARN")
     assert not skip and findings[0].action == Action.WARN
     assert before(replace(CHECK, max_abs_diff=1.0), enabled=False)[1] == []
+
+
+def test_a_sampler_that_kept_a_parameter_halts_whatever_the_probe_reads() -> None:
+    # the bf16 partial-push drill at W1: 0.0105 nats, under the 0.03 limit
+    kept = replace(
+        CHECK,
+        max_abs_diff=0.0105,
+        dtype="bfloat16",
+        unloaded=("model.layers.3.mlp.down_proj.weight",),
+    )
+    _, findings, skip = before(kept)
+    (finding,) = findings
+    assert skip and finding.action == Action.HALT
+    assert finding.message.startswith(
+        "weight sync: the sampler did not load 1 of its parameters "
+        "(model.layers.3.mlp.down_proj.weight; max |Δ| 0.0105 nats at token 9 of the probe"
+    )
+    assert finding.evidence["unloaded_parameters"] == 1.0
+    many = replace(kept, unloaded=tuple(f"p{i}" for i in range(5)))
+    assert "did not load 5 of its parameters (p0, p1, p2, ...; " in before(many)[1][0].message
+
+
+def test_the_unloaded_parameters_travel_with_the_check() -> None:
+    kept = replace(CHECK, unloaded=("a.weight", "b.weight"))
+    assert WeightSyncCheck.from_json(kept.to_json()) == kept
+    recorded_before = '{"version": 4, "max_abs_diff": 5e-07, "position": 9, "tokens": 23, '
+    old = recorded_before + '"cached_tokens": 0, "dtype": "float32"}'
+    assert WeightSyncCheck.from_json(old) == CHECK  # a batch recorded before the field

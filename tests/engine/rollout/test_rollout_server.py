@@ -29,6 +29,7 @@ from grpod.engine.rollout.rollout_vllm import ServedModel
 from grpod.engine.rollout.sampler import SamplingSettings
 from grpod.engine.rollout.shared_weights import RPC_METHOD, SharedWeightsWorker
 from grpod.engine.rollout.vllm_server import ServerClient, ServerProcess, free_port
+from grpod.engine.weight_sync import PushFaults
 from tests.engine.helpers import config
 
 TIMEOUT = 0.5  # seconds: the client's limit; the silent stand-in never answers at all
@@ -214,20 +215,35 @@ def test_a_push_writes_one_complete_snapshot_and_reloads_from_it(stand_in, tmp_p
 
 
 class RecordingWorker(SharedWeightsWorker):
-    """vLLM's worker as the extension sees it: `reload_weights` takes an iterator of
-    (name, tensor) pairs; this one keeps copies of what it was handed."""
+    """vLLM's worker as the extension sees it: a model runner whose model has parameters
+    (`names`) and a `load_weights` that takes (name, tensor) pairs, called by the worker's
+    `reload_weights`; this one keeps copies of what it was handed."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: list[str]) -> None:
         self.loads: list[dict[str, torch.Tensor]] = []
+        worker = self
+
+        class Model:
+            def named_parameters(self) -> list[tuple[str, None]]:
+                return [(name, None) for name in names]
+
+            def load_weights(self, weights) -> set[str]:
+                worker.loads.append({name: tensor.clone() for name, tensor in weights})
+                return set(worker.loads[-1])
+
+        class Runner:
+            def get_model(self) -> Model:
+                return model
+
+        model, self.model_runner = Model(), Runner()
 
     def reload_weights(self, weights_iterator) -> None:
-        self.loads.append({name: tensor.clone() for name, tensor in weights_iterator})
+        self.model_runner.get_model().load_weights(weights_iterator)
 
 
 def test_an_in_place_push_rewrites_one_shared_region_the_server_loads(
     stand_in, tmp_path: Path
 ) -> None:
-    worker = RecordingWorker()
     bodies: list[dict[str, Any]] = []
 
     def loading(route: str, body: dict[str, Any]):
@@ -241,10 +257,11 @@ def test_an_in_place_push_rewrites_one_shared_region_the_server_loads(
     engine = Engine(server_config(server.url, tmp_path, vllm_server_push="shared-memory"))
     engine.start_sampler()
     model = engine.rollout_model
-    engine.vllm.push(model)
+    worker = RecordingWorker(list(model.state_dict()))
+    assert engine.vllm.push(model) == ()  # every parameter loaded
     with torch.no_grad():
         next(model.parameters()).add_(1.0)  # a training step
-    engine.vllm.push(model)
+    assert engine.vllm.push(model) == ()
     rpcs = [b for b in bodies if b["route"] == "/collective_rpc"]
     assert [b["method"] for b in rpcs] == [RPC_METHOD] * 2
     region = Path(rpcs[0]["kwargs"]["path"])
@@ -259,6 +276,8 @@ def test_an_in_place_push_rewrites_one_shared_region_the_server_loads(
     first = next(iter(expected))
     assert torch.equal(worker.loads[0][first] + 1.0, worker.loads[1][first])
     assert [b["route"] for b in bodies].count("/reset_prefix_cache") == 2
+    kept = engine.vllm.push(model, PushFaults(partial=True))  # the drill: one matrix left out
+    assert len(kept) == 1 and kept[0] not in worker.loads[-1]
     engine.close()
     assert not region.exists()
 
