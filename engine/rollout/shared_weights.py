@@ -141,6 +141,11 @@ def reload_attested(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> lis
     model's parameters it did not load: what its reload computes and only logs (a tensor
     left out of a push, or one under a name the model does not map, keeps its old values).
     Runs in vLLM's worker, from the server's extension or the colocated sampler's RPC."""
+    if getattr(getattr(worker, "model_config", None), "quantization", None) is not None:
+        # a quantized model has parameters (scales) that no checkpoint tensor names: vLLM's
+        # own count skips them too, so a quantized server is not attested
+        worker.reload_weights(weights_iterator=iter(weights))
+        return []
     model = worker.model_runner.get_model()
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,7 +28,7 @@ from grpod.engine.grpo.preflight import preflight
 from grpod.engine.rollout.rollout_server import ServerSampler, server_argv
 from grpod.engine.rollout.rollout_vllm import ServedModel
 from grpod.engine.rollout.sampler import SamplingSettings
-from grpod.engine.rollout.shared_weights import RPC_METHOD, SharedWeightsWorker
+from grpod.engine.rollout.shared_weights import RPC_METHOD, SharedWeightsWorker, reload_attested
 from grpod.engine.rollout.vllm_server import ServerClient, ServerProcess, free_port
 from grpod.engine.weight_sync import PushFaults
 from tests.engine.helpers import config
@@ -511,3 +512,12 @@ def importlib_has_vllm() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
+
+
+def test_a_quantized_vllm_is_not_attested() -> None:
+    # its scales are parameters no pushed tensor names: every push would read as partial
+    worker = RecordingWorker(["w", "w_scale"])
+    assert reload_attested(worker, [("w", torch.ones(2))]) == ["w_scale"]
+    worker.model_config = SimpleNamespace(quantization="fp8")
+    assert reload_attested(worker, [("w", torch.ones(2))]) == []
+    assert [list(load) for load in worker.loads] == [["w"], ["w"]]  # loaded all the same
