@@ -132,19 +132,19 @@ class ServerSampler:
         if faults.skip:
             return ()
         weights = weights_to_push(model, faults)
-        unloaded: set[str] = set()
+        unloaded: set[str] = set()  # a snapshot's reload says nothing of it
         if self._shared is not None:
             manifest = self._shared.write(weights)
             kwargs = {"path": str(self._shared.path), "manifest": manifest}
             results = self._rpc(RPC_METHOD, kwargs, "a shared-memory load")
-            loaded = [r.get("tensors") if isinstance(r, dict) else r for r in results]
+            answers = [r if isinstance(r, dict) else {"tensors": r} for r in results]
+            loaded = [a.get("tensors") for a in answers]
             if not loaded or any(n != len(manifest) for n in loaded):
                 raise self.client.error(
                     "/collective_rpc",
                     f"loaded {loaded} tensors of a shared-memory push of {len(manifest)}",
                 )
-            for result in results:
-                unloaded.update(result.get("unloaded", ()) if isinstance(result, dict) else ())
+            unloaded = {name for a in answers for name in a.get("unloaded", ())}
         else:
             self._push_snapshot(weights)
         if not faults.keep_prefix_cache:

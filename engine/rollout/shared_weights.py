@@ -30,6 +30,7 @@ here (docs: README, "vLLM").
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -56,10 +57,7 @@ def region_bytes(manifest: list[list[Any]]) -> int:
     if not manifest:
         return ALIGN
     _, dtype, shape, offset = manifest[-1]
-    numel = 1
-    for n in shape:
-        numel *= n
-    return offset + _padded(numel * _dtype(dtype).itemsize)
+    return offset + _padded(math.prod(shape) * _dtype(dtype).itemsize)
 
 
 def views(region: torch.Tensor, manifest: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
@@ -67,10 +65,7 @@ def views(region: torch.Tensor, manifest: list[list[Any]]) -> list[tuple[str, to
     out = []
     for name, dtype, shape, offset in manifest:
         torch_dtype = _dtype(dtype)
-        numel = 1
-        for n in shape:
-            numel *= n
-        flat = region[offset : offset + numel * torch_dtype.itemsize]
+        flat = region[offset : offset + math.prod(shape) * torch_dtype.itemsize]
         out.append((name, flat.view(torch_dtype).view(shape)))
     return out
 
@@ -90,13 +85,12 @@ class SharedWeights:
         returns the manifest the server loads it by."""
         manifest = slots(weights)
         if manifest != self._manifest:
-            self._region = None
             self._map(region_bytes(manifest))
             self._manifest = manifest
         assert self._region is not None
         with torch.no_grad():
             for (_, tensor), (_, slot) in zip(weights, views(self._region, manifest)):
-                slot.copy_(tensor.detach())
+                slot.copy_(tensor)
         return manifest
 
     def close(self) -> None:
@@ -123,9 +117,9 @@ class SharedWeightsWorker:
     """vLLM's worker extension (`--worker-extension-cls`): `grpod_load_shared` loads a
     region the trainer wrote, in place, through vLLM's own reload."""
 
-    def grpod_load_shared(self, path: str, manifest: list[list[Any]]) -> dict[str, int]:
+    def grpod_load_shared(self, path: str, manifest: list[list[Any]]) -> dict[str, Any]:
         """Load every tensor of `manifest` from the region at `path`; returns how many
-        tensors and bytes were handed to vLLM."""
+        tensors and bytes were handed to vLLM, and the parameters it did not load."""
         size = region_bytes(manifest)
         mapped = getattr(self, "_grpod_region", None)
         if mapped is None or mapped[0] != path or mapped[1] != size:
