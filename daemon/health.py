@@ -9,11 +9,14 @@ answering 503, so a scraper sees the final values and the stop.
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
+import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 
@@ -50,7 +53,7 @@ class HealthServer:
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry, health: Health) -> None:
         handler = _handler(registry, health)
-        server_class = _V6Server if ":" in host else ThreadingHTTPServer
+        server_class = _V6Server if ":" in host else _Server
         self._server = server_class((host, port), handler)  # OSError if the port is taken
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -73,7 +76,20 @@ class HealthServer:
         self._server.server_close()
 
 
-class _V6Server(ThreadingHTTPServer):
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Never socketserver's traceback on stderr, between the JSON log's lines: a scraper
+        that hung up before its answer (its timeout, under load) is nothing to report; any
+        other failure of a request is one `metrics request failed` line."""
+        error = sys.exc_info()[1]
+        if isinstance(error, ConnectionError):
+            return
+        structlog.get_logger("grpod").warning(
+            "metrics request failed", client=str(client_address[0]), error=repr(error)
+        )
+
+
+class _V6Server(_Server):
     address_family = socket.AF_INET6
 
 
