@@ -25,6 +25,7 @@ sees.
 
     .venv/bin/python bench/overhead.py [--rounds 120] [--block 16]
     .venv/bin/python bench/overhead.py --pairs 1000
+    python bench/overhead.py --device cuda --pairs 600   # a GPU node (scripts/gpu_check.sh's venv)
 """
 
 from __future__ import annotations
@@ -146,13 +147,17 @@ def main() -> int:
         action="store_true",
         help="the incidents' attribution off (W1's spike WARNs each start one): the fixed cost",
     )
+    parser.add_argument(
+        "--device", default="cpu", help="W1's device (cuda: the fixed cost on a GPU node)"
+    )
     args = parser.parse_args()
+    workload = EngineConfig(**{**W1.model_dump(), "device": args.device})
 
     with tempfile.TemporaryDirectory(prefix="grpod-overhead-") as tmp:
         run_dir = RunDir(Path(tmp) / "run")
         attribution = AttributionConfig(enabled=not args.no_attribution)
         config = GrpodConfig(
-            engine=W1,
+            engine=workload,
             forensics=ForensicsConfig(attribution=attribution),
             daemon=DaemonConfig(
                 run_dir=str(run_dir.path), metrics_port=0, log_format="json", progress="off"
@@ -164,7 +169,7 @@ def main() -> int:
         daemon.log = logs.make_logger("json", "info", stream=log_file)
         logs.bind_run(plan.run_id, 0)
         daemon._start()  # engine, guards, store, initial checkpoint, /metrics server
-        bare = Engine(W1)
+        bare = Engine(workload)
 
         bare_block(bare, args.warmup)
         monitored_block(daemon, args.warmup)
@@ -200,6 +205,7 @@ def main() -> int:
             {
                 "bench": "overhead",
                 "workload": "W1",
+                "device": args.device,
                 "paired": paired_figures,
                 "goal": 0.99,
                 "attribution": not args.no_attribution,
@@ -218,6 +224,7 @@ def main() -> int:
         {
             "bench": "overhead",
             "workload": "W1",
+            "device": args.device,
             "rounds": args.rounds,
             "block_steps": args.block,
             "bare_seconds_per_step": round(bare_s, 5),
