@@ -82,7 +82,7 @@ def test_sampler_uses_the_decoder_and_agrees_with_the_hugging_face_path(
         name: sample(
             engine.model,
             prompts,
-            generator=torch.Generator().manual_seed(5),
+            generator=torch.Generator(engine.device).manual_seed(5),
             decoder=name,
             **settings,
         )

@@ -208,7 +208,7 @@ def test_a_push_writes_one_complete_snapshot_and_reloads_from_it(stand_in, tmp_p
     from safetensors.torch import load_file
 
     weights = load_file(paths[1] / "model.safetensors")
-    expected = engine.rollout_model.state_dict()
+    expected = {k: v.cpu() for k, v in engine.rollout_model.state_dict().items()}
     assert set(weights) == set(expected)  # a tied head too: vLLM's reload needs every name
     for name, tensor in weights.items():
         assert torch.equal(tensor, expected[name]), name
@@ -269,7 +269,7 @@ def test_an_in_place_push_rewrites_one_shared_region_the_server_loads(
     assert rpcs[1]["kwargs"]["path"] == str(region)  # rewritten in place, not made anew
     assert region.parent == tmp_path / "sync" and region.stat().st_mode & 0o777 == 0o600
     assert [p.name for p in region.parent.iterdir()] == [region.name]  # no snapshot
-    expected = model.state_dict()
+    expected = {k: v.cpu() for k, v in model.state_dict().items()}
     for loaded in worker.loads:
         assert list(loaded) == list(expected)  # a tied head under both names
     for name, tensor in worker.loads[1].items():

@@ -69,7 +69,7 @@ def test_several_stop_ids_and_greedy() -> None:
     def run(stops, temperature=1.0, seed=0):
         return sample(engine.model, prompts, max_new_tokens=6, temperature=temperature,
                       top_p=1.0, eos_token_id=stops, pad_token_id=0,
-                      generator=torch.Generator().manual_seed(seed))  # fmt: skip
+                      generator=torch.Generator(engine.device).manual_seed(seed))  # fmt: skip
 
     free = run([2])
     first = free.completion_ids[:, 0].tolist()
@@ -80,7 +80,7 @@ def test_several_stop_ids_and_greedy() -> None:
     greedy = run([2], temperature=0.0, seed=1)
     assert torch.equal(greedy.completion_ids, run([2], temperature=0.0, seed=2).completion_ids)
     with torch.no_grad():
-        logits = engine.model(torch.tensor(prompts[:1])).logits[0, -1].float()
+        logits = engine.model(torch.tensor(prompts[:1], device=engine.device)).logits[0, -1].float()
     assert greedy.completion_ids[0, 0] == logits.argmax()
     assert torch.allclose(greedy.logprobs[0, 0], logits.log_softmax(-1).max())
 
@@ -108,7 +108,7 @@ def test_export_of_the_builtin_model_loads_and_generates(tmp_path: Path) -> None
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer("1+2=")["input_ids"] == engine.encode_prompt("1+2=")
-    ours = engine.model.state_dict()
+    ours = {k: v.cpu() for k, v in engine.model.state_dict().items()}
     assert all(torch.equal(v, ours[k]) for k, v in model.state_dict().items())
     generated = model.generate(torch.tensor([[1, 4, 13, 5, 14]]), max_new_tokens=3, do_sample=False)
     assert generated.shape[1] <= 8 and generated[0, :5].tolist() == [1, 4, 13, 5, 14]

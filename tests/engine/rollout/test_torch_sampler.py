@@ -27,7 +27,7 @@ def _sample(engine: Engine, seed: int, **kw):
         top_p=kw.get("top_p", 1.0),
         eos_token_id=2,
         pad_token_id=0,
-        generator=torch.Generator().manual_seed(seed),
+        generator=torch.Generator(engine.device).manual_seed(seed),
     )
 
 
