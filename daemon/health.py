@@ -51,11 +51,21 @@ class Health:
 class HealthServer:
     """A small threaded HTTP server for /metrics and /healthz, bound at construction."""
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry, health: Health) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        health: Health,
+        log: Any = None,
+    ) -> None:
+        """`log`: where a failed request is said (the daemon's JSON logger; default structlog's
+        own, for a front end that configures none)."""
         handler = _handler(registry, health)
         server_class = _V6Server if ":" in host else _Server
         self._server = server_class((host, port), handler)  # OSError if the port is taken
         self._server.daemon_threads = True
+        self._server.log = structlog.get_logger("grpod") if log is None else log
         self._thread: threading.Thread | None = None
 
     @property
@@ -77,6 +87,8 @@ class HealthServer:
 
 
 class _Server(ThreadingHTTPServer):
+    log: Any  # HealthServer's `log`
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         """Never socketserver's traceback on stderr, between the JSON log's lines: a scraper
         that hung up before its answer (its timeout, under load) is nothing to report; any
@@ -84,9 +96,7 @@ class _Server(ThreadingHTTPServer):
         error = sys.exc_info()[1]
         if isinstance(error, ConnectionError):
             return
-        structlog.get_logger("grpod").warning(
-            "metrics request failed", client=str(client_address[0]), error=repr(error)
-        )
+        self.log.warning("metrics request failed", client=str(client_address[0]), error=repr(error))
 
 
 class _V6Server(_Server):

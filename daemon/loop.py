@@ -95,7 +95,12 @@ class Daemon:
         if cfg.metrics and torchrun.local_rank() == 0:
             try:  # bound before anything is created: a taken port is a config error
                 self.server = HealthServer(
-                    cfg.metrics_host, cfg.metrics_port, serving_registry(self.registry), self.health
+                    cfg.metrics_host,
+                    cfg.metrics_port,
+                    serving_registry(self.registry),
+                    self.health,
+                    # its request threads do not see the run's bound context
+                    log=self.log.bind(run_id=plan.run_id, rank=self.rank),
                 )
             except OSError as exc:
                 raise ConfigError(
