@@ -94,13 +94,10 @@ class Daemon:
         self.server: HealthServer | None = None
         if cfg.metrics and torchrun.local_rank() == 0:
             try:  # bound before anything is created: a taken port is a config error
+                registry = serving_registry(self.registry)
+                log = self.log.bind(run_id=plan.run_id, rank=self.rank)  # its threads' context
                 self.server = HealthServer(
-                    cfg.metrics_host,
-                    cfg.metrics_port,
-                    serving_registry(self.registry),
-                    self.health,
-                    # its request threads do not see the run's bound context
-                    log=self.log.bind(run_id=plan.run_id, rank=self.rank),
+                    cfg.metrics_host, cfg.metrics_port, registry, self.health, log=log
                 )
             except OSError as exc:
                 raise ConfigError(
