@@ -130,6 +130,9 @@ class Daemon:
         try:
             self._start()
         except BaseException as exc:
+            bad_input = isinstance(exc, (*BAD_INPUT_ERRORS, KeyboardInterrupt, SystemExit))
+            if not bad_input:  # said first: under torchrun the agent may end us while we clean up
+                self._failed_to_start(exc)
             if self.recorder is not None:
                 with contextlib.suppress(Exception):
                     self.recorder.close()
@@ -138,9 +141,9 @@ class Daemon:
             self._close_quietly()
             if not self.plan.resume and self.run_dir.held is not None:
                 self.run_dir.discard()  # a fresh run that never started must not be resumed
-            if isinstance(exc, (*BAD_INPUT_ERRORS, KeyboardInterrupt, SystemExit)):
+            if bad_input:
                 raise  # bad input: one line and exit 2 at the CLI
-            return self._failed_to_start(exc)
+            return EXIT_FAILURE
         try:
             return self._loop()
         except AbandonStep:
@@ -154,12 +157,11 @@ class Daemon:
             self.signals.restore()
             logs.clear()
 
-    def _failed_to_start(self, exc: BaseException) -> int:
-        """A system failure before the first step (a full disk): one line, exit 1."""
+    def _failed_to_start(self, exc: BaseException) -> None:
+        """A system failure before the first step (a full disk): one line (exit 1)."""
         reason = failure_reason(exc)
         self.log.error("failed", error=reason)
-        print(f"grpod run: error: cannot start: {reason}", file=sys.stderr)
-        return EXIT_FAILURE
+        print(f"grpod run: error: cannot start: {reason}", file=sys.stderr, flush=True)
 
     def _start(self) -> None:
         plan, cfg = self.plan, self.config
