@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,14 +59,30 @@ _LEDGER_INSERT = insert(PromptFate)
 
 @dataclass
 class _StepItem:
-    batch: TransportBatch
-    report: dict[str, Any]  # StepReport.to_dict(), taken on the caller's thread
-    verdict: dict[str, Any]
-    outcome: str
+    """A queued step. Its report and verdict become dicts on the writer thread (`take`), in
+    the group's burst: a published step's report and verdict are never changed again."""
+
+    result: StepResult
     rerun: bool
-    context: str | None  # the ExecutionContext's JSON (engine/context.py); None: not known
+    report: dict[str, Any] = field(default_factory=dict)  # StepReport.to_dict()
+    verdict: dict[str, Any] = field(default_factory=dict)
+    outcome: str = ""
+    context: str | None = None  # the ExecutionContext's JSON (engine/context.py); None: not known
     stale_drops: int = 0  # its rollouts dropped as too stale (engine/rollout/ahead.py)
     seen: Observation | None = None  # what the step did to the episodes (writer thread)
+
+    @property
+    def batch(self) -> TransportBatch:
+        return self.result.batch
+
+    def take(self) -> None:
+        """The step's dicts, from its result (the writer thread)."""
+        result = self.result
+        self.report = result.report.to_dict()
+        self.verdict = result.verdict.to_dict()
+        self.outcome = str(result.outcome)
+        self.context = None if result.context is None else result.context.as_json
+        self.stale_drops = 0 if result.ahead is None else len(result.ahead.dropped)
 
 
 @dataclass
@@ -194,16 +210,12 @@ class FlightRecorder:
 
     def record(self, result: StepResult, *, rerun: bool = False) -> None:
         """Queue one decided step: its batch, report, verdict, outcome and execution context
-        (`StepResult`). Blocks (counted) only when `queue_size` steps are waiting."""
+        (`StepResult`, read on the writer thread: none of them may change after this call).
+        Blocks (counted) only when `queue_size` steps are waiting."""
         self._raise_failure()
         if self.run_id is None:
             raise ForensicsError("flight recorder: record() before start_run()")
-        report = result.report.to_dict()  # a snapshot, taken on the caller's thread
-        verdict = result.verdict.to_dict()
-        context = None if result.context is None else result.context.as_json
-        drops = 0 if result.ahead is None else len(result.ahead.dropped)
-        outcome = str(result.outcome)
-        self._put(_StepItem(result.batch, report, verdict, outcome, rerun, context, drops))
+        self._put(_StepItem(result, rerun))
 
     def note_checkpoint(self, step: int, path: str | os.PathLike) -> None:
         """A checkpoint taken with engine.step == `step` (the state before step `step`)."""
@@ -332,6 +344,7 @@ class FlightRecorder:
         or HOLD_BYTES are held (then they are staged into temp files, out of memory)."""
         if not self._group:
             self._group_deadline = time.monotonic() + self.config.commit_interval_seconds
+        item.take()
         item.seen = self.episodes.observe(item.report["step"], item.verdict["findings"])
         self._held += 1
         self._held_bytes += sum(t.nbytes for t in item.batch.tensors().values())
