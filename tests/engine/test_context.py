@@ -3,6 +3,8 @@ decided step (engine/context.py)."""
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 import torch
 
@@ -60,7 +62,9 @@ def test_a_context_round_trips_and_names_what_differs() -> None:
     context = ExecutionContext.capture()
     assert context.threads == torch.get_num_threads()
     assert context.cpu_capability == torch.backends.cpu.get_cpu_capability()
-    assert context.torch == torch.__version__ and context.device == "cpu"
+    # the installed distribution's version (a CUDA wheel's torch.__version__ adds "+cu130")
+    assert context.torch == importlib.metadata.version("torch") and context.device == "cpu"
+    assert torch.__version__.startswith(context.torch.split("+")[0])
     data = {**context.to_dict(), "a_field_of_a_newer_grpod": 1}
     del data["cudnn_benchmark"]  # a field an older grpod did not record: its default
     assert ExecutionContext.from_dict(data) == context

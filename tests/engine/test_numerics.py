@@ -13,8 +13,10 @@ def _hidden_and_targets(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch = batch or engine.rollout()
     hidden, source = engine.forward_backward.trunk(engine.model, batch, 0)
-    hidden, targets = hidden[source], batch.input_ids[0].reshape(-1)
-    index = batch.loss_mask[0].reshape(-1).nonzero().squeeze(-1)
+    if isinstance(source, torch.Tensor):  # the batch's index tensors live on the CPU
+        source = source.to(hidden.device)
+    hidden, targets = hidden[source], batch.input_ids[0].reshape(-1).to(hidden.device)
+    index = batch.loss_mask[0].reshape(-1).to(hidden.device).nonzero().squeeze(-1)
     weight = engine.model.get_output_embeddings().weight
     return hidden[index - 1].detach(), weight.detach(), targets[index]
 

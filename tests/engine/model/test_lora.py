@@ -73,9 +73,11 @@ def test_export_merges_or_writes_the_adapter(tmp_path: Path) -> None:
     adapter_dir = export_pretrained(cfg, checkpoint, tmp_path / "a", adapter=True)
     ids = torch.tensor([[1, 4, 13, 5, 14]])
     base = Engine(config()).model
+    on = ids.to(engine.device)  # the engine's models on its device, the exported one on the CPU
     with torch.no_grad():
-        ours, theirs, untrained = engine.model(ids).logits, merged(ids).logits, base(ids).logits
-        loaded = PeftModel.from_pretrained(base, adapter_dir)(ids).logits  # injects into base
+        ours, untrained = engine.model(on).logits.cpu(), base(on).logits.cpu()
+        theirs = merged(ids).logits
+        loaded = PeftModel.from_pretrained(base, adapter_dir)(on).logits.cpu()  # into base
     assert torch.allclose(ours, theirs, atol=1e-5) and not torch.equal(ours, untrained)
     assert torch.allclose(ours, loaded, atol=1e-6)
     assert (adapter_dir / "adapter_config.json").is_file()

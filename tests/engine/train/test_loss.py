@@ -25,11 +25,12 @@ def test_completion_token_p_is_scored_by_the_logits_at_p_minus_1() -> None:
     engine = Engine(config(seq_len=16))
     _memorise(engine, SEQUENCE)
     batch = hand_batch([(SEQUENCE, 4, 1.0)])
-    logprobs = engine.score(batch)[batch.loss_mask]
+    logprobs = engine.score(batch).cpu()[batch.loss_mask]
     assert logprobs.numel() == len(SEQUENCE) - 4
     assert logprobs.mean() > -0.3  # the memorised next tokens are near-certain
     with torch.no_grad():
-        logits = engine.model(input_ids=torch.tensor([SEQUENCE])).logits[0].log_softmax(-1)
+        ids = torch.tensor([SEQUENCE], device=engine.device)
+        logits = engine.model(input_ids=ids).logits[0].log_softmax(-1).cpu()
     targets = torch.tensor(SEQUENCE[4:])[:, None]
     right = logits[3:-1].gather(-1, targets).squeeze(-1)
     assert torch.allclose(logprobs, right, atol=1e-5)
