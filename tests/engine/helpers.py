@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -21,6 +22,17 @@ DEVICE = os.environ.get("GRPOD_TEST_DEVICE", "cpu")
 
 def config(**overrides: object) -> EngineConfig:
     return EngineConfig.model_validate({**TINY, "device": DEVICE, **overrides})
+
+
+def rollouts_with_signal(*engines: Any, tries: int = 8) -> list[TransportBatch]:
+    """The engines' rollouts, in lock step, until the first engine's has a non-zero advantage
+    (a batch of equal-reward groups has no gradient; which batch is the first with one depends
+    on the device's random stream: the CPU's first is, a CUDA one's need not be)."""
+    for _ in range(tries):
+        batches = [engine.rollout() for engine in engines]
+        if batches[0].advantages.abs().max() > 0:
+            return batches
+    raise AssertionError(f"{tries} rollouts without a learning signal")
 
 
 def hand_batch(

@@ -62,10 +62,12 @@ def test_sample_std_with_one_sample_per_group_is_zero_not_nan() -> None:
 
 def test_engine_config_selects_the_std() -> None:
     from grpod.engine import Engine
-    from tests.engine.helpers import config
+    from tests.engine.helpers import config, rollouts_with_signal
 
-    population = Engine(config()).rollout()  # TINY: groups of 4, same seed, same completions
-    sample = Engine(config(advantage_std="sample")).rollout()
+    # TINY: groups of 4, same seed, same completions
+    population, sample = rollouts_with_signal(
+        Engine(config()), Engine(config(advantage_std="sample"))
+    )
     assert torch.equal(population.input_ids, sample.input_ids)
     assert population.advantages.abs().max() > 0
     assert torch.allclose(sample.advantages, population.advantages * (3 / 4) ** 0.5)

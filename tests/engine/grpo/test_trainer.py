@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpod.engine import Engine, EngineConfig, EngineError
-from tests.engine.helpers import config
+from tests.engine.helpers import config, rollouts_with_signal
 
 
 def test_flush_after_accumulate_leaves_the_state_digest_unchanged() -> None:
@@ -30,8 +30,9 @@ def test_flush_after_accumulate_leaves_the_state_digest_unchanged() -> None:
 
 def test_apply_changes_the_state_and_reports_pre_clip_norm() -> None:
     engine = Engine(config(max_grad_norm=1e-3))
+    (batch,) = rollouts_with_signal(engine)
     before = engine.state_digest()
-    report = engine.accumulate(engine.rollout())
+    report = engine.accumulate(batch)
     assert report.grad_norm > 1e-3 and report.clip_coef < 1.0
     norm = torch.nn.utils.get_total_norm([p.grad for p in engine.params])
     assert float(norm) == report.grad_norm  # known after accumulate, before apply
