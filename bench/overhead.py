@@ -13,6 +13,10 @@ monitored side more commits than a campaign pays. `ratio` is the median over rou
 (bare seconds / monitored seconds) per step, i.e. monitored steps/s over bare steps/s, and
 `ratio_ci95` a bootstrap 95% interval of that median.
 Prints one JSON line (also appended to bench/out/results.jsonl); goal: ratio >= 0.99.
+The rounds (or pairs) stop at the monitored side's first HALT (`halted_at_step`): W1's toy
+task saturates after ~900 steps and the `dead_campaign` guard halts it (2026-12-04: step 926),
+and what follows, flushed steps with an incident's work, is not a healthy step's fixed cost;
+the 120 rounds of 16 below take ~1,900 steps a side, so they end early.
 Blocks resolve about 1.5% at 120 rounds (`ratio_ci95`). `--pairs N` pairs single steps
 instead (`paired_steps`), which resolves about 1%, but charges less than a campaign pays: a
 background thread's work (the recorder's writer) runs beside whichever step comes next, and
@@ -49,6 +53,7 @@ from grpod.daemon.config import DaemonConfig, GrpodConfig  # noqa: E402
 from grpod.daemon.loop import Daemon  # noqa: E402
 from grpod.daemon.rundir import Plan, RunDir  # noqa: E402
 from grpod.engine import Engine, EngineConfig  # noqa: E402
+from grpod.engine.verdict import Action  # noqa: E402
 from grpod.forensics import ForensicsConfig, list_incidents  # noqa: E402
 from grpod.forensics.config import AttributionConfig  # noqa: E402
 
@@ -67,7 +72,8 @@ def bare_block(engine: Engine, steps: int) -> tuple[float, float]:
 def daemon_steps(daemon: Daemon, steps: int) -> None:
     for _ in range(steps):
         with logs.step_context(daemon.engine.step):
-            daemon._step()
+            if daemon._step() >= Action.HALT:
+                daemon.halted_at = daemon.engine.step - 1
 
 
 def monitored_block(daemon: Daemon, steps: int) -> tuple[float, float, float]:
@@ -94,6 +100,9 @@ def paired_steps(daemon: Daemon, bare: Engine, pairs: int) -> dict[str, Any]:
     walls: list[tuple[float, float]] = []
     writer_cpu = daemon.recorder.write_cpu_seconds_total
     for pair in range(pairs):
+        if daemon.halted_at is not None:  # type: ignore[attr-defined]
+            pairs = pair  # what follows a HALT is not the healthy run's fixed cost
+            break
         seconds = {}
         for side in ("bare", "monitored") if pair % 2 == 0 else ("monitored", "bare"):
             if side == "bare":
@@ -165,6 +174,7 @@ def main() -> int:
         )
         plan = Plan(config, run_dir, "overhead", False, None, None)
         daemon = Daemon(plan)
+        daemon.halted_at = None  # the first HALT: the healthy run is over (module doc)
         log_file = open(Path(tmp) / "daemon.log", "w")  # noqa: SIM115 - closed below
         daemon.log = logs.make_logger("json", "info", stream=log_file)
         logs.bind_run(plan.run_id, 0)
@@ -179,14 +189,20 @@ def main() -> int:
         paired_figures = paired_steps(daemon, bare, args.pairs) if args.pairs else None
         for round_ in range(0 if args.pairs else args.rounds):
             sides = ["bare", "monitored"] if round_ % 2 == 0 else ["monitored", "bare"]
+            measured: dict[str, tuple[float, float, float]] = {}
             for side in sides:
                 if side == "bare":
                     wall, used = bare_block(bare, args.block)
+                    measured[side] = (wall, wall, used)
                 else:
-                    wall, charged, used = monitored_block(daemon, args.block)
-                    charged_times.append(charged / args.block)
+                    measured[side] = monitored_block(daemon, args.block)
+            if daemon.halted_at is not None:
+                break  # the round with a HALT and all after it: not a healthy step's cost
+            for side, (wall, charged, used) in measured.items():
                 times[side].append(wall / args.block)
                 cpu[side].append(used / args.block)
+                if side == "monitored":
+                    charged_times.append(charged / args.block)
         daemon.recorder.close()
         daemon._close_quietly()
         log_file.close()
@@ -207,6 +223,7 @@ def main() -> int:
                 "workload": "W1",
                 "device": args.device,
                 "paired": paired_figures,
+                "halted_at_step": daemon.halted_at,
                 "goal": 0.99,
                 "attribution": not args.no_attribution,
                 "recorded_steps": recorded,
@@ -225,7 +242,9 @@ def main() -> int:
             "bench": "overhead",
             "workload": "W1",
             "device": args.device,
-            "rounds": args.rounds,
+            "rounds": len(times["monitored"]),
+            "rounds_asked": args.rounds,
+            "halted_at_step": daemon.halted_at,
             "block_steps": args.block,
             "bare_seconds_per_step": round(bare_s, 5),
             "monitored_seconds_per_step": round(monitored_s, 5),
