@@ -10,6 +10,7 @@ that crashed into its default) — and advantages that are all 0 although reward
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -22,8 +23,11 @@ from grpod.guards.verdict import Action, Finding
 class AdvantageGuard(Guard):
     """WARN when the zero-std group fraction exceeds `zero_std_fraction_max` while the
     previous `history_steps` steps' mean stayed at most `history_fraction_max` (a sudden loss,
-    not a solved or dying campaign); and when every advantage of the batch's trainable tokens
-    is 0 although some group's rewards varied (`all_zero_action`)."""
+    not a solved or dying campaign) and that many groups alike is at most
+    `tail_probability_max` likely by chance (each group alike with the history's mean: with
+    16 groups, 15 alike after a mean of 0.64 is a healthy step's noise, 16 after 0.54 is not);
+    and when every advantage of the batch's trainable tokens is 0 although some group's
+    rewards varied (`all_zero_action`)."""
 
     name = "advantage"
 
@@ -44,16 +48,23 @@ class AdvantageGuard(Guard):
         findings = []
         limit = self.config.zero_std_fraction_max
         if fraction > limit and before <= self.config.history_fraction_max:
-            findings.append(
-                self.finding(
-                    f"{fraction:.0%} of groups have equal rewards (> {limit:.0%}) after "
-                    f"{before:.0%} over the previous steps: the reward lost its signal",
-                    kind="zero_std_groups",
-                    zero_std_group_fraction=fraction,
-                    threshold=limit,
-                    history_mean=before,
+            groups = int(batch.sample_group_ids.unique().numel())  # only on a candidate step
+            alike = round(fraction * groups)
+            chance = binomial_tail(groups, alike, before)
+            if chance <= self.config.tail_probability_max:
+                findings.append(
+                    self.finding(
+                        f"{alike} of {groups} groups ({fraction:.0%}, > {limit:.0%}) have equal "
+                        f"rewards after {before:.0%} over the previous steps (a chance of "
+                        f"{chance:.2g}): the reward lost its signal",
+                        kind="zero_std_groups",
+                        zero_std_group_fraction=fraction,
+                        threshold=limit,
+                        history_mean=before,
+                        groups=float(groups),
+                        chance=chance,
+                    )
                 )
-            )
         # elementwise, not a masked copy: is any trainable token's advantage non-zero?
         signal = torch.logical_and(batch.advantages != 0, batch.loss_mask).any()
         trainable = 0 if bool(signal) else int(batch.loss_mask.sum())
@@ -77,3 +88,12 @@ class AdvantageGuard(Guard):
         # an older grpod's checkpoint kept no history: the guard starts a new one
         values = load_floats(state, "zero_std", self.name)
         self.history = Window(self.config.history_steps, values)
+
+
+def binomial_tail(n: int, k: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p): the chance of at least `k` of `n` groups alike when
+    each is alike with probability `p` (clamped to [0, 1])."""
+    p = min(1.0, max(0.0, p))
+    if k <= 0:
+        return 1.0
+    return math.fsum(math.comb(n, i) * p**i * (1.0 - p) ** (n - i) for i in range(k, n + 1))

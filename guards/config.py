@@ -119,7 +119,10 @@ class SpikeConfig(_Section):
 # `history_fraction_max` lies between W4 (healthy, 8 groups: 26 of 100 steps had every group
 # alike, each after a mean of >= 0.80 over the previous 8 steps) and the equal-rewards drill
 # (W1c, 16 groups, seeds 0-2: its 15 injected steps came after a mean of <= 0.54, the first
-# ones after the tiny model's early steps).
+# ones after the tiny model's early steps). `tail_probability_max`: W1 healthy (16 groups)
+# reached 15 of 16 alike after means of 0.64 and 0.65 (steps 358 and 372 of 2026-12-04's run;
+# 50-step means 0.54-0.73, a step's fraction up to 0.94 in most of them): a chance of 0.0080
+# and 0.0095 under the history's mean; the drill's 16 of 16 after <= 0.54: <= 5.2e-5.
 class AdvantageConfig(_Section):
     """Signal lost: most groups alike after steps with signal, or all advantages 0 anyway."""
 
@@ -128,6 +131,11 @@ class AdvantageConfig(_Section):
     history_fraction_max: Fraction = Field(
         0.65,
         description="warn only when the previous steps' mean zero-std fraction was at most this",
+    )
+    tail_probability_max: Fraction = Field(
+        1e-3,
+        description="and only when so many groups alike is at most this likely by chance: "
+        "the binomial tail over the batch's groups at the previous steps' mean",
     )
     action: ActionName = "WARN"
     all_zero_action: ActionName = Field(

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from grpod.guards import Action, GuardsError
-from grpod.guards.advantage import AdvantageGuard
+from grpod.guards.advantage import AdvantageGuard, binomial_tail
 from grpod.guards.clip import ClipGuard
 from grpod.guards.config import AdvantageConfig, ClipConfig, SamplerMismatchConfig
 from grpod.guards.mismatch import SamplerMismatchGuard
@@ -13,37 +13,64 @@ from tests.guards.helpers import batch, report
 
 
 def test_advantage_zero_std_fraction_boundary() -> None:
-    assert (
-        AdvantageGuard(AdvantageConfig()).after(batch(), report(zero_std_group_fraction=0.9)) == []
-    )  # at: passes
+    w1 = batch(groups=16)
+    assert AdvantageGuard(AdvantageConfig()).after(w1, report(zero_std_group_fraction=0.9)) == []
+    # at the fraction's limit: passes. Above it after a low history: warns
     guard = AdvantageGuard(AdvantageConfig())
-    assert guard.after(batch(), report(zero_std_group_fraction=0.65)) == []
-    (finding,) = guard.after(batch(), report(zero_std_group_fraction=0.9375))
+    assert guard.after(w1, report(zero_std_group_fraction=0.3)) == []
+    (finding,) = guard.after(w1, report(zero_std_group_fraction=0.9375))
     assert finding.action is Action.WARN and finding.evidence["zero_std_group_fraction"] == 0.9375
-    assert finding.evidence["history_mean"] == 0.65  # the one step before, at its limit: warns
+    assert finding.evidence["history_mean"] == 0.3 and finding.evidence["groups"] == 16
+    assert finding.evidence["chance"] < 1e-6
+    assert "15 of 16 groups (94%, > 90%) have equal rewards after 30%" in finding.message
+
+
+def test_advantage_a_healthy_runs_noise_is_no_alarm() -> None:
+    """W1 healthy (2026-12-04, step 358): 15 of 16 groups alike after a mean of 0.64, within
+    the history's limit, is a chance of 0.0080; the equal-rewards drill's 16 of 16 after a
+    mean of 0.54 is 5.2e-5."""
+    w1 = batch(groups=16)
+    history = (0.625, 0.625, 0.5, 0.688, 0.875, 0.625, 0.688, 0.5)  # steps 350-357: 0.64075
+    noisy, drilled = AdvantageGuard(AdvantageConfig()), AdvantageGuard(AdvantageConfig())
+    for fraction in history:
+        assert noisy.after(w1, report(zero_std_group_fraction=fraction)) == []
+    assert noisy.after(w1, report(zero_std_group_fraction=0.9375)) == []
+    assert binomial_tail(16, 15, 0.64075) == pytest.approx(0.0080, abs=5e-5)
+    signal = (0.5, 0.562, 0.5, 0.625, 0.5, 0.562, 0.5, 0.562)  # mean 0.539
+    for fraction in signal:
+        assert drilled.after(w1, report(zero_std_group_fraction=fraction)) == []
+    (finding,) = drilled.after(w1, report(zero_std_group_fraction=1.0))
+    assert finding.evidence["chance"] == pytest.approx((sum(signal) / 8) ** 16, rel=1e-9)
+    # with fewer groups the same drop is likelier by chance: W4's 8, all alike after 0.54
+    few = AdvantageGuard(AdvantageConfig())
+    for fraction in (0.5, 0.625, 0.5, 0.5, 0.625, 0.5, 0.5, 0.625):
+        few.after(batch(groups=8), report(zero_std_group_fraction=fraction))
+    assert few.after(batch(groups=8), report(zero_std_group_fraction=1.0)) == []
+    assert binomial_tail(8, 8, 0.546875) == pytest.approx(0.546875**8)
 
 
 def test_advantage_sudden_loss_warns_a_solved_campaign_does_not() -> None:
     """W4's shape: a campaign solving its prompts reaches batches where every group is alike
     after steps that were mostly alike already; the equal-rewards drill's after steps with
     signal."""
+    w1 = batch(groups=16)
     learning = AdvantageGuard(AdvantageConfig())
     for fraction in (0.25, 0.5, 0.38, 0.62, 0.25, 0.5, 0.62, 0.5):  # mean 0.45
-        assert learning.after(batch(), report(zero_std_group_fraction=fraction)) == []
-    (finding,) = learning.after(batch(), report(zero_std_group_fraction=1.0))
+        assert learning.after(w1, report(zero_std_group_fraction=fraction)) == []
+    (finding,) = learning.after(w1, report(zero_std_group_fraction=1.0))
     assert finding.kind == "zero_std_groups" and finding.evidence["history_mean"] == 0.4525
     assert "lost its signal" in finding.message
 
     solved = AdvantageGuard(AdvantageConfig())
     for fraction in (0.75, 0.88, 0.88, 1.0, 0.75, 0.88, 0.75, 0.88) * 3:  # W4 steps 46-53
-        assert solved.after(batch(), report(zero_std_group_fraction=fraction)) == []
+        assert solved.after(w1, report(zero_std_group_fraction=fraction)) == []
     assert solved.after(batch(advantages=0.0), report(zero_std_group_fraction=1.0)) == []
 
     # the threshold sits between the two (config: W4 >= 0.80, the drill <= 0.54)
     edge = AdvantageGuard(AdvantageConfig(history_fraction_max=0.45))
     for fraction in (0.25, 0.5, 0.38, 0.62, 0.25, 0.5, 0.62, 0.5):
-        edge.after(batch(), report(zero_std_group_fraction=fraction))
-    assert edge.after(batch(), report(zero_std_group_fraction=1.0)) == []
+        edge.after(w1, report(zero_std_group_fraction=fraction))
+    assert edge.after(w1, report(zero_std_group_fraction=1.0)) == []
 
 
 def test_advantage_history_survives_a_checkpoint_and_an_older_one_starts_afresh() -> None:
@@ -68,7 +95,7 @@ def test_advantage_all_zero_warns_only_when_rewards_varied() -> None:
     b.advantages[0, 0, 1] = 1e-6  # one trainable token with signal
     assert guard.after(b, report()) == []
     # every group alike: all-zero advantages are what the rewards say, one finding, not two
-    (only,) = guard.after(batch(advantages=0.0), report(zero_std_group_fraction=1.0))
+    (only,) = guard.after(batch(advantages=0.0, groups=16), report(zero_std_group_fraction=1.0))
     assert only.kind == "zero_std_groups"
 
 
