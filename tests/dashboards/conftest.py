@@ -61,10 +61,11 @@ eval_samples = 4
 [engine.faults]
 nan_loss_steps = [{FAULT_STEP}]
 
-# `advantage` on any mostly-alike step, whatever came before: a finding of a campaign guard,
-# for the panel that shows when each fired
+# `advantage` on any mostly-alike step, whatever came before and however likely: a finding of
+# a campaign guard, for the panel that shows when each fired
 [guards.advantage]
 history_fraction_max = 1.0
+tail_probability_max = 1.0
 
 # the loop's end waits for every incident's attribution (10 s by default: on a loaded machine
 # the child may need more), so the scrape has the attribution's labelled timestamp; at nice 0,
