@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,14 @@ class Gate:
                 return 503, json.dumps({"error": {"message": "EngineCore died"}}).encode()
         return healthy(route, body)
 
+    def held_arrived(self, count: int, timeout: float = 120.0) -> int:
+        """How many held completions have arrived, once `count` have (or `timeout` passed):
+        the rollout in flight sends them from its own thread, on its own schedule."""
+        deadline = time.monotonic() + timeout
+        while self.log.count("/v1/completions:held") < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.log.count("/v1/completions:held")
+
 
 def async_engine(url: str, tmp_path: Path) -> Engine:
     return Engine(server_config(url, tmp_path, **ASYNC))
@@ -153,7 +162,7 @@ def test_server_rollouts_sample_while_the_trainer_trains(stand_in, tmp_path: Pat
     server = stand_in(gate.answer)
     engine = async_engine(server.url, tmp_path)
     batch, _ = train(engine)  # step 0 trains while step 1's completions are held
-    assert batch.staleness == 0 and gate.log.count("/v1/completions:held") == samples
+    assert batch.staleness == 0 and gate.held_arrived(samples) == samples
     # step 1 was pushed and checked at launch, once step 0's rollout was done
     pushes = [i for i, r in enumerate(gate.log) if r == "/collective_rpc"]
     step0 = [i for i, r in enumerate(gate.log[: pushes[1]]) if r == "/v1/completions"]
