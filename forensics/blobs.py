@@ -73,31 +73,39 @@ def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[
 def _digest_and_chunks(
     tensors: dict[str, torch.Tensor], metadata: dict[str, str]
 ) -> tuple[str, list[tuple[str, torch.Tensor, memoryview | bytes]]]:
-    """The canonical digest, and (name, CPU contiguous tensor, its bytes) in name order."""
+    """The canonical digest, and (name, CPU contiguous tensor, its bytes) in name order.
+
+    The hash reads each field length-prefixed: names, dtypes and shapes, each tensor's
+    bytes, then the metadata by key. The small fields between two tensors' bytes go
+    in as one joined update (the same byte stream, so the same digest, in a few calls)."""
     h = hashlib.sha256(b"grpod.blob/1\0")
     chunks = []
+    small: list[bytes] = []  # length-prefixed fields waiting to be hashed together
     for name in sorted(tensors):
         tensor = tensors[name].detach().contiguous().cpu()
-        _field(h, name.encode())
-        _field(h, str(tensor.dtype).encode())
-        _field(h, ",".join(map(str, tensor.shape)).encode())
         data = (
             memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
             if tensor.numel()
             else b""
         )
-        _field(h, data)
+        for field in (name, str(tensor.dtype), ",".join(map(str, tensor.shape))):
+            encoded = field.encode()
+            small += (_LENGTH.pack(len(encoded)), encoded)
+        small.append(_LENGTH.pack(len(data)))
+        h.update(b"".join(small))
+        h.update(data)  # a tensor's bytes as they lie: never copied
+        small.clear()
         chunks.append((name, tensor, data))
-    h.update(b"metadata\0")
+    small.append(b"metadata\0")
     for key in sorted(metadata):
-        _field(h, key.encode())
-        _field(h, metadata[key].encode())
+        for field in (key, metadata[key]):
+            encoded = field.encode()
+            small += (_LENGTH.pack(len(encoded)), encoded)
+    h.update(b"".join(small))
     return h.hexdigest(), chunks
 
 
-def _field(h: hashlib._Hash, data: bytes | memoryview) -> None:
-    h.update(struct.pack("<Q", len(data)))  # length-prefixed: no two contents hash alike
-    h.update(data)
+_LENGTH = struct.Struct("<Q")  # every field length-prefixed: no two contents hash alike
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,21 @@ TENSORS = {"a": torch.arange(6).reshape(2, 3), "b": torch.tensor([True, False])}
 META = {"step": "3", "format": "x"}
 
 
+def test_the_digest_of_a_known_content_never_changes() -> None:
+    """Stored run dirs are read back by their digests: the bytes hashed are a format."""
+    assert canonical_digest(TENSORS, META) == (
+        "b1d4dc76714255914cc6cbc5cf1223177b0393cfc1bc95b02afaea0a7ce6c3e7"
+    )
+    odd = {
+        "x": torch.arange(5, dtype=torch.float32),
+        "e": torch.zeros(0, 3, dtype=torch.int64),  # no bytes
+        "b": torch.tensor([True, False]),
+    }
+    assert canonical_digest(odd, {"k": "v", "a": ""}) == (
+        "2621ce3549d38ee47a39daea96f6247c973df1a4cf16cfff78f93586166daded"
+    )
+
+
 def test_digest_covers_content_not_file_bytes() -> None:
     base = canonical_digest(TENSORS, META)
     assert canonical_digest(dict(reversed(TENSORS.items())), dict(reversed(META.items()))) == base
