@@ -61,7 +61,6 @@ class GuardPolicy:
             cls.name: cls(getattr(self.config, cls.name)) for cls in GUARD_CLASSES
         }
         self.consecutive_flushes = 0
-        self._active = self._enabled_now()  # the enabled guards, in order (until a reload)
         self._model: Any = None  # the model whose parameter list `_weights` holds
         self._weights: list[torch.Tensor] = []
         self._cover: torch.Tensor | None = None  # one tensor over `_weights`' shared storage
@@ -202,7 +201,6 @@ class GuardPolicy:
         self.config = as_config(config)
         for name, guard in self.guards.items():
             guard.configure(getattr(self.config, name))
-        self._active = self._enabled_now()
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state (windows, counters) to save with a checkpoint."""
@@ -231,9 +229,6 @@ class GuardPolicy:
             guard.load_state_dict(saved.get(name, {}))
 
     def _enabled(self) -> list[Guard]:
-        return self._active
-
-    def _enabled_now(self) -> list[Guard]:
         return [g for g in self.guards.values() if g.enabled]
 
     def _all_reduce(self) -> bool:
