@@ -69,24 +69,29 @@ def bare_block(engine: Engine, steps: int) -> tuple[float, float]:
     return time.perf_counter() - started, time.process_time() - cpu
 
 
-def daemon_steps(daemon: Daemon, steps: int) -> None:
+def daemon_steps(daemon: Daemon, steps: int) -> int | None:
+    """`steps` daemon steps; the first that HALTed (None: none did)."""
+    halted = None
     for _ in range(steps):
-        with logs.step_context(daemon.engine.step):
-            if daemon._step() >= Action.HALT:
-                daemon.halted_at = daemon.engine.step - 1
+        step = daemon.engine.step
+        with logs.step_context(step):
+            if daemon._step() >= Action.HALT and halted is None:
+                halted = step
+    return halted
 
 
-def monitored_block(daemon: Daemon, steps: int) -> tuple[float, float, float]:
+def monitored_block(daemon: Daemon, steps: int) -> tuple[float, float, float, int | None]:
     """(wall seconds with the drain's wall, wall seconds with the drain's writer CPU, process
-    CPU seconds of every thread) of `steps` daemon steps and the recorder's drain after them."""
+    CPU seconds of every thread, the first step that HALTed) of `steps` daemon steps and the
+    recorder's drain after them."""
     recorder = daemon.recorder
     started, cpu = time.perf_counter(), time.process_time()
-    daemon_steps(daemon, steps)
+    halted = daemon_steps(daemon, steps)
     stepped, writer_cpu = time.perf_counter(), recorder.write_cpu_seconds_total
     recorder.drain()  # the recorder's background writes belong to this side
     drain_cpu = recorder.write_cpu_seconds_total - writer_cpu
     ended = time.perf_counter()
-    return ended - started, stepped - started + drain_cpu, time.process_time() - cpu
+    return ended - started, stepped - started + drain_cpu, time.process_time() - cpu, halted
 
 
 def paired_steps(daemon: Daemon, bare: Engine, pairs: int) -> dict[str, Any]:
@@ -99,18 +104,19 @@ def paired_steps(daemon: Daemon, bare: Engine, pairs: int) -> dict[str, Any]:
     writer's CPU seconds in these pairs added to the monitored side (the module doc)."""
     walls: list[tuple[float, float]] = []
     writer_cpu = daemon.recorder.write_cpu_seconds_total
+    halted = None
     for pair in range(pairs):
-        if daemon.halted_at is not None:  # type: ignore[attr-defined]
-            pairs = pair  # what follows a HALT is not the healthy run's fixed cost
-            break
         seconds = {}
         for side in ("bare", "monitored") if pair % 2 == 0 else ("monitored", "bare"):
             if side == "bare":
                 seconds[side] = bare_block(bare, 1)[0]
             else:
                 started = time.perf_counter()
-                daemon_steps(daemon, 1)
+                halted = daemon_steps(daemon, 1)
                 seconds[side] = time.perf_counter() - started
+        if halted is not None:
+            pairs = pair  # the pair with a HALT and all after it: not a healthy step's cost
+            break
         walls.append((seconds["bare"], seconds["monitored"]))
     started = time.perf_counter()
     daemon.recorder.drain()
@@ -131,6 +137,7 @@ def paired_steps(daemon: Daemon, bare: Engine, pairs: int) -> dict[str, Any]:
         "bare_seconds_per_step": round(sum(b for b, _ in walls) / pairs, 5),
         "monitored_seconds_per_step": round((sum(m for _, m in walls) + drain) / pairs, 5),
         "final_drain_seconds": round(drain, 4),
+        "halted_at_step": halted,
     }
 
 
@@ -174,7 +181,6 @@ def main() -> int:
         )
         plan = Plan(config, run_dir, "overhead", False, None, None)
         daemon = Daemon(plan)
-        daemon.halted_at = None  # the first HALT: the healthy run is over (module doc)
         log_file = open(Path(tmp) / "daemon.log", "w")  # noqa: SIM115 - closed below
         daemon.log = logs.make_logger("json", "info", stream=log_file)
         logs.bind_run(plan.run_id, 0)
@@ -187,6 +193,7 @@ def main() -> int:
         cpu: dict[str, list[float]] = {"bare": [], "monitored": []}
         charged_times: list[float] = []  # the drain charged at the writer's CPU, not its wall
         paired_figures = paired_steps(daemon, bare, args.pairs) if args.pairs else None
+        halted = None  # the first HALT: the healthy run is over (module doc)
         for round_ in range(0 if args.pairs else args.rounds):
             sides = ["bare", "monitored"] if round_ % 2 == 0 else ["monitored", "bare"]
             measured: dict[str, tuple[float, float, float]] = {}
@@ -195,8 +202,9 @@ def main() -> int:
                     wall, used = bare_block(bare, args.block)
                     measured[side] = (wall, wall, used)
                 else:
-                    measured[side] = monitored_block(daemon, args.block)
-            if daemon.halted_at is not None:
+                    wall, charged, used, halted = monitored_block(daemon, args.block)
+                    measured[side] = (wall, charged, used)
+            if halted is not None:
                 break  # the round with a HALT and all after it: not a healthy step's cost
             for side, (wall, charged, used) in measured.items():
                 times[side].append(wall / args.block)
@@ -223,7 +231,6 @@ def main() -> int:
                 "workload": "W1",
                 "device": args.device,
                 "paired": paired_figures,
-                "halted_at_step": daemon.halted_at,
                 "goal": 0.99,
                 "attribution": not args.no_attribution,
                 "recorded_steps": recorded,
@@ -244,7 +251,7 @@ def main() -> int:
             "device": args.device,
             "rounds": len(times["monitored"]),
             "rounds_asked": args.rounds,
-            "halted_at_step": daemon.halted_at,
+            "halted_at_step": halted,
             "block_steps": args.block,
             "bare_seconds_per_step": round(bare_s, 5),
             "monitored_seconds_per_step": round(monitored_s, 5),
