@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +131,14 @@ class Gate:
         self.held = range(held_seed, held_seed + samples)
         self.release = threading.Event()
         self.log: list[str] = []
+        self.logged = threading.Condition()  # notified with every request logged
         self.fail = False
 
     def answer(self, route: str, body: dict[str, Any]):
         held = not body.get("ignore_eos") and body.get("seed") in self.held
-        self.log.append(f"{route}:held" if held and route == "/v1/completions" else route)
+        with self.logged:
+            self.log.append(f"{route}:held" if held and route == "/v1/completions" else route)
+            self.logged.notify_all()
         if held and route == "/v1/completions":
             self.release.wait(60)
             if self.fail:
@@ -146,10 +148,9 @@ class Gate:
     def held_arrived(self, count: int, timeout: float = 120.0) -> int:
         """How many held completions have arrived, once `count` have (or `timeout` passed):
         the rollout in flight sends them from its own thread, on its own schedule."""
-        deadline = time.monotonic() + timeout
-        while self.log.count("/v1/completions:held") < count and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self.log.count("/v1/completions:held")
+        with self.logged:
+            self.logged.wait_for(lambda: self.log.count("/v1/completions:held") >= count, timeout)
+            return self.log.count("/v1/completions:held")
 
 
 def async_engine(url: str, tmp_path: Path) -> Engine:
