@@ -97,6 +97,11 @@ class TransportBatch:
     def num_samples(self) -> int:
         return int(self.rewards.shape[0])
 
+    @property
+    def num_groups(self) -> int:
+        """The prompts (groups) its samples answer."""
+        return int(self.sample_group_ids.unique().numel())
+
     def expected_valid_tokens(self) -> int:
         """Host-side sum of the loss mask: what the engine's counter must equal."""
         return int(self.loss_mask.sum())

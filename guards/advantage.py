@@ -48,7 +48,7 @@ class AdvantageGuard(Guard):
         findings = []
         limit = self.config.zero_std_fraction_max
         if fraction > limit and before <= self.config.history_fraction_max:
-            groups = int(batch.sample_group_ids.unique().numel())  # only on a candidate step
+            groups = batch.num_groups  # only on a candidate step
             alike = round(fraction * groups)
             chance = binomial_tail(groups, alike, before)
             if chance <= self.config.tail_probability_max:

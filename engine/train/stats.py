@@ -146,7 +146,7 @@ def _token_stats(stats: StepStats) -> dict[str, Any]:
 def _batch_stats(batch: TransportBatch) -> dict[str, Any]:
     """What the report says of the batch itself: rewards, advantages, lengths, the rollout."""
     rewards = batch.rewards
-    group_size = max(1, batch.num_samples // max(1, int(batch.sample_group_ids.unique().numel())))
+    group_size = max(1, batch.num_samples // max(1, batch.num_groups))
     _, zero_std = group_advantages(rewards, group_size) if batch.num_samples else (None, 0.0)
     lengths = batch.completion_lengths.float()
     return {
