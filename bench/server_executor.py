@@ -1,5 +1,6 @@
 """The vLLM server grpod starts, two ways side by side on the CPU: its executor
-(`--compare executor`, the default) or its weight push (`--compare push`).
+(`--compare executor`, the default), its weight push (`--compare push`) or when the trainer
+computes its side of the weight-sync check (`--compare check`).
 
 `--compare executor`: the model in the engine core's process (`uni`, grpod's default there)
 against a worker process of its own (`mp`, vLLM's CPU default).
@@ -17,6 +18,10 @@ uni` with VLLM_ENABLE_V1_MULTIPROCESSING=0 (rollout_server.server_argv, vllm_ser
 the trainer's tensors copied into one shared region the server loads in place,
 engine/rollout/shared_weights.py) against `"snapshot"` (a safetensors file in /dev/shm that
 the server reloads).
+
+`--compare check`: the trainer's logprobs of the probe before the push (`before-push`, grpod's
+order since 2026-12-04, `Sampling._push_to_sampler`) against after the rollout (`after-rollout`,
+the order before: the side's process runs `check_after_rollout`'s two methods instead).
 
 Each round runs both sides, one after the other, each in a process of its own (two servers
 at once would spin into each other), in alternating order; a side steps rollout -> accumulate ->
@@ -54,12 +59,36 @@ SIDES = {
         "shared-memory": {"vllm_server_push": "shared-memory"},
         "snapshot": {"vllm_server_push": "snapshot"},
     },
+    "check": {"before-push": {}, "after-rollout": {}},
 }
+OLD_ORDER = ("check", "after-rollout")  # the one side that changes code, not the config
 
 
-def side(workload: str, overrides: dict, steps: int, out: mp.Queue) -> None:
-    """One side's run: `steps` timed steps after WARMUP, their medians put on `out`."""
+def check_after_rollout() -> None:
+    """The check's order before 2026-12-04: the push alone, then the trainer's forward of the
+    probe once the rollout is in, with the comparison (both timed as `sync_check`)."""
+    from grpod.engine.rollout.sampling import Sampling
+
+    check = Sampling._check_sampler
+
+    def push_only(self, step):  # _push_to_sampler as it was
+        self.start()
+        with self.clock.timed("sync"):
+            self._unloaded = self.vllm.push(self.rollout_model, self.faults.push(step))
+
+    def forward_then_check(self, scores):
+        self._trainer_probe = self._trainer_logprobs()
+        return check(self, scores)
+
+    Sampling._push_to_sampler, Sampling._check_sampler = push_only, forward_then_check
+
+
+def side(workload: str, overrides: dict, steps: int, out: mp.Queue, old_order: bool) -> None:
+    """One side's run: `steps` timed steps after WARMUP, their medians put on `out`;
+    `old_order`: the check's forward after the rollout (`check_after_rollout`)."""
     set_threads()
+    if old_order:
+        check_after_rollout()
     from grpod.engine import Engine
     from grpod.engine.grpo.step import decide_step
     from grpod.guards import GuardPolicy
@@ -101,7 +130,10 @@ def main() -> None:
         for name in (first, second) if round_ % 2 == 0 else (second, first):
             out = ctx.Queue()
             overrides = SIDES[args.compare][name]
-            proc = ctx.Process(target=side, args=(args.workload, overrides, args.steps, out))
+            old_order = (args.compare, name) == OLD_ORDER
+            proc = ctx.Process(
+                target=side, args=(args.workload, overrides, args.steps, out, old_order)
+            )
             proc.start()
             runs[name].append(out.get())
             proc.join()
@@ -124,7 +156,7 @@ def main() -> None:
         }
     emit(
         {
-            "bench": "server_executor" if args.compare == "executor" else "server_push",
+            "bench": "server_executor" if args.compare == "executor" else f"server_{args.compare}",
             "workload": args.workload,
             "steps": args.steps,
             "rounds": args.rounds,

@@ -25,6 +25,7 @@ import torch
 from grpod.engine import Engine, EngineError
 from grpod.engine.errors import SamplerError
 from grpod.engine.grpo.preflight import preflight
+from grpod.engine.model.head import sequence_logprobs
 from grpod.engine.rollout.rollout_server import ServerSampler, server_argv
 from grpod.engine.rollout.rollout_vllm import ServedModel
 from grpod.engine.rollout.sampler import SamplingSettings
@@ -343,6 +344,44 @@ def test_a_server_that_answers_wrongly_is_one_line_never_a_hang(
     text = str(caught.value)
     assert text.startswith(f"rollout server {server.url}: /v1/completions: "), text
     assert message in text and "\n" not in text
+
+
+def finite(route: str, body: dict[str, Any]) -> tuple[int, bytes] | None:
+    """`healthy` with every logprob finite: the check reads a number, not NaN."""
+    if route != "/v1/completions":
+        return healthy(route, body)
+    tokens, values = [5] * body["max_tokens"], [-1.0] * body["max_tokens"]
+    extra = {}
+    if body.get("prompt_logprobs") == 0:
+        extra["prompt_logprobs"] = [
+            None,
+            *({str(t): {"logprob": -1.5}} for t in body["prompt"][1:]),
+        ]
+    return 200, json.dumps(completion(tokens, values, **extra)).encode()
+
+
+def test_each_check_holds_the_sampler_to_the_weights_of_its_own_push(
+    stand_in, tmp_path: Path
+) -> None:
+    """The trainer's side of the check is taken as its push goes out, of the weights pushed:
+    after the weights change the check measures the new ones (|-1.5 - their logprobs|), never
+    the last push's."""
+    server = stand_in(finite)
+    engine = Engine(server_config(server.url, tmp_path))
+    sampling = engine.sampling
+
+    def expected() -> float:
+        scored = sampling.probe[: engine.config.weight_sync_scored_tokens]
+        trainer = sequence_logprobs(sampling.rollout_model, scored, "float32", sampling.device)
+        return float((trainer.double() + 1.5).abs().max())
+
+    first = engine.rollout()
+    assert first.weight_sync.max_abs_diff == expected()
+    with torch.no_grad():  # an update (the stand-in's equal rewards would train nothing)
+        sampling.rollout_model.get_output_embeddings().weight.mul_(1.5)
+    second = engine.rollout()
+    assert second.weight_sync.max_abs_diff == expected()
+    assert second.weight_sync.max_abs_diff != first.weight_sync.max_abs_diff
 
 
 def test_a_failed_rollout_keeps_the_step_prompts_for_its_incident(stand_in, tmp_path: Path) -> None:
