@@ -19,6 +19,8 @@ from typing import Any
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from grpod.daemon.errors import ConfigError
+
 
 class Health:
     """Liveness of the training loop, as /healthz reports it."""
@@ -68,10 +70,28 @@ class HealthServer:
         self._server.log = structlog.get_logger("grpod") if log is None else log
         self._thread: threading.Thread | None = None
 
+    @classmethod
+    def bind(
+        cls, host: str, port: int, registry: CollectorRegistry, health: Health, log: Any
+    ) -> HealthServer:
+        """The server, bound: a port it cannot bind is the config's error (exit 2), said
+        before anything is created."""
+        try:
+            return cls(host, port, registry, health, log=log)
+        except OSError as exc:
+            raise ConfigError(
+                f"daemon.metrics_port: cannot bind {host}:{port}: {exc.strerror or exc}"
+            ) from None
+
     @property
     def address(self) -> tuple[str, int]:
         host, port = self._server.server_address[:2]
         return str(host), int(port)
+
+    @property
+    def metrics_url(self) -> str:
+        host, port = self.address
+        return f"http://{host}:{port}/metrics"
 
     def start(self) -> None:
         self._thread = threading.Thread(

@@ -31,7 +31,7 @@ from grpod.daemon import distributed, logs
 from grpod.daemon.checkpoints import Checkpoints
 from grpod.daemon.config import GrpodConfig, reload_guards
 from grpod.daemon.console import StepConsole, sample_decoder
-from grpod.daemon.errors import BAD_INPUT_ERRORS, ConfigError, failure_reason
+from grpod.daemon.errors import BAD_INPUT_ERRORS, failure_reason
 from grpod.daemon.evaluation import Evaluations
 from grpod.daemon.exitcodes import (
     EXIT_BAD_INPUT,
@@ -92,18 +92,14 @@ class Daemon:
         self.metrics: Metrics | None = None  # rank 0's, made in _start
         self.rank_metrics: RankMetrics | None = None  # every rank's own
         self.server: HealthServer | None = None
-        if cfg.metrics and torchrun.local_rank() == 0:
-            try:  # bound before anything is created: a taken port is a config error
-                registry = serving_registry(self.registry)
-                log = self.log.bind(run_id=plan.run_id, rank=self.rank)  # its threads' context
-                self.server = HealthServer(
-                    cfg.metrics_host, cfg.metrics_port, registry, self.health, log=log
-                )
-            except OSError as exc:
-                raise ConfigError(
-                    f"daemon.metrics_port: cannot bind {cfg.metrics_host}:{cfg.metrics_port}: "
-                    f"{exc.strerror or exc}"
-                ) from None
+        if cfg.metrics and torchrun.local_rank() == 0:  # bound before anything is created
+            self.server = HealthServer.bind(
+                cfg.metrics_host,
+                cfg.metrics_port,
+                serving_registry(self.registry),
+                self.health,
+                log=self.log.bind(run_id=plan.run_id, rank=self.rank),  # its threads' context
+            )
         self.status = StatusView(  # under torchrun rank 0 writes the run dir's status.json
             self.run_dir if self.rank == 0 else None,
             plan.run_id,
@@ -390,10 +386,7 @@ class Daemon:
 
     # ----------------------------------------------------------------- status
     def _metrics_url(self) -> str | None:
-        if self.server is None:
-            return None
-        host, port = self.server.address
-        return f"http://{host}:{port}/metrics"
+        return None if self.server is None else self.server.metrics_url
 
     def _status_not_written(self, exc: OSError) -> None:
         """A live view: a full disk must not turn a stop into a traceback."""

@@ -82,10 +82,7 @@ class RunSink:
 
     @property
     def metrics_url(self) -> str | None:
-        if self.server is None:
-            return None
-        host, port = self.server.address
-        return f"http://{host}:{port}/metrics"
+        return None if self.server is None else self.server.metrics_url
 
     def start(
         self, tokenizer: Any, trl_config: dict[str, Any], versions: dict[str, str], device: str
