@@ -296,7 +296,7 @@ class Sampling:
         then scores the weight-sync probe (engine/weight_sync.py). The trainer's side of the
         check, its logprobs of the probe, comes first, from the weights about to be pushed:
         right after the update that made them, the forward reads warm caches (W2 on the
-        server: 2.6 ms against 3.6 ms after the rollout, bench/README.md)."""
+        server: the check 3.1 ms against 4.0-4.1 ms after the rollout, bench/README.md)."""
         self.start()
         self._trainer_probe = self._trainer_logprobs()
         with self.clock.timed("sync"):
