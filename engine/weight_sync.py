@@ -114,36 +114,35 @@ def compare(
     """The check from the sampler's `scores` and the trainer's logprobs of the probe's first
     `len(trainer) + 1` tokens (`engine.model.head.sequence_logprobs`). Position p is token p
     of the probe, then of the continuation after it."""
-    scored = trainer.numel()
+    values = trainer.tolist()  # float32 to float: exact, so the differences are float64's
+    scored = len(values)
     if scored > len(scores.prompt_logprobs) or len(scores.prompt_logprobs) != len(probe) - 1:
         raise EngineError(
             f"weight sync probe: the sampler scored {len(scores.prompt_logprobs)} of "
             f"{len(probe)} probe tokens, the trainer {scored}"
         )
-    sampler = torch.tensor(scores.prompt_logprobs[:scored], dtype=torch.float64)
-    weights = (sampler - trainer.double()).abs()
-    cache = _cache_diff(scores)
-    diff = torch.cat([weights, cache])
-    finite = torch.isfinite(diff)
-    if not bool(finite.all()):  # NaN or inf on either side, or other tokens: never a pass
-        worst, value = int((~finite).nonzero()[0]), math.nan
+    # a few dozen floats: Python's own arithmetic, not a dozen torch calls on tiny tensors
+    diff = [abs(s - t) for s, t in zip(scores.prompt_logprobs, values)] + _cache_diff(scores)
+    not_finite = [i for i, d in enumerate(diff) if not math.isfinite(d)]
+    if not_finite:  # NaN or inf on either side, or other tokens: never a pass
+        worst, value = not_finite[0], math.nan
     else:
-        worst = int(diff.argmax())
-        value = float(diff[worst])
+        value = max(diff)
+        worst = diff.index(value)  # the first of equal differences
     # the continuation's positions come after the whole probe's
     position = worst + 1 if worst < scored else len(probe) + worst - scored
     return WeightSyncCheck(
         version=version,
         max_abs_diff=value,
         position=position,
-        tokens=int(diff.numel()),
+        tokens=len(diff),
         cached_tokens=scores.cached_tokens,
         dtype=dtype,
         unloaded=unloaded,
     )
 
 
-def _cache_diff(scores: ProbeScores) -> torch.Tensor:
+def _cache_diff(scores: ProbeScores) -> list[float]:
     """|cached - fresh| logprob per continuation token; NaN from the first token where the
     two greedy continuations differ (their logits differ there: a failed check)."""
     cached, fresh = scores.continuation, scores.fresh_continuation
@@ -153,11 +152,6 @@ def _cache_diff(scores: ProbeScores) -> torch.Tensor:
             f"weight sync probe: continuations of {n} and {len(fresh)} tokens "
             f"({len(scores.continuation_logprobs)} and {len(scores.fresh_logprobs)} logprobs)"
         )
-    diff = (
-        torch.tensor(scores.continuation_logprobs, dtype=torch.float64)
-        - torch.tensor(scores.fresh_logprobs, dtype=torch.float64)
-    ).abs()
-    differs = [t for t in range(n) if cached[t] != fresh[t]]
-    if differs:
-        diff[differs[0] :] = math.nan
-    return diff
+    diff = [abs(c - f) for c, f in zip(scores.continuation_logprobs, scores.fresh_logprobs)]
+    first = next((t for t in range(n) if cached[t] != fresh[t]), n)
+    return diff[:first] + [math.nan] * (n - first)
