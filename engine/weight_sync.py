@@ -16,8 +16,7 @@ Two comparisons, the largest absolute difference of either is the check:
 - **the weights**: the trainer's FP32-head logprobs of the probe's first `scored_tokens`
   tokens (`engine.model.head.sequence_logprobs`, temperature 1) against the fresh request's
   prompt logprobs. A few tokens suffice: a skipped, partial or corrupt push moves every
-  position's logits, and the trainer's forward is the check's only compute on the trainer
-  (run as the push goes out, of the weights pushed: engine/rollout/sampling.py).
+  position's logits, and the trainer's forward is the check's only compute on the trainer.
 
 The result, a `WeightSyncCheck`, travels with the step's batch (the guard `weight_sync`
 reads it before any compute, and replay sees the same numbers without a sampler).

@@ -141,7 +141,6 @@ class Sampling:
         self.torch_sampler = TorchSampler(self.rollout_model, config)  # the in-process backend
         self.weight_sync: WeightSyncCheck | None = None  # the last push's check (vllm)
         self._unloaded: tuple[str, ...] = ()  # the last push's parameters the sampler kept
-        self._trainer_probe: torch.Tensor | None = None  # the last push's trainer logprobs
         self.probe: list[int] = []  # the weight-sync probe (engine/weight_sync.py)
         server = config.rollout_backend == "vllm-server"
         # async steps with a server: its rollouts sample on one background thread
@@ -293,24 +292,10 @@ class Sampling:
 
     def _push_to_sampler(self, step: int | None) -> None:
         """Push the rollout model's weights into vLLM (started on first use); its rollout
-        then scores the weight-sync probe (engine/weight_sync.py). The trainer's side of the
-        check, its logprobs of the probe, comes first, from the weights about to be pushed:
-        right after the update that made them, the forward reads warm caches (W2 on the
-        server: the check 3.1 ms against 4.0-4.1 ms after the rollout, bench/README.md)."""
+        then scores the weight-sync probe (engine/weight_sync.py)."""
         self.start()
-        self._trainer_probe = self._trainer_logprobs()
         with self.clock.timed("sync"):
             self._unloaded = self.vllm.push(self.rollout_model, self.faults.push(step))
-
-    def _trainer_logprobs(self) -> torch.Tensor:
-        """The trainer's FP32-head logprobs of the probe's scored tokens (`sync_check`)."""
-        with self.clock.timed("sync_check"):
-            return sequence_logprobs(
-                self.rollout_model,
-                self.probe[: self.config.weight_sync_scored_tokens],
-                self.config.dtype,
-                self.device,
-            )
 
     def start(self) -> None:
         """Start the vLLM sampler the config names: colocated, or a server process (a no-op
@@ -355,12 +340,14 @@ class Sampling:
             self._worker.shutdown(wait=False, cancel_futures=True)
 
     def _check_sampler(self, scores: ProbeScores) -> WeightSyncCheck:
-        """vLLM's logprobs of the probe (and its continuation) against the trainer's, taken
-        before the push (`_push_to_sampler`): each push's once."""
-        trainer, self._trainer_probe = self._trainer_probe, None
-        if trainer is None:
-            raise EngineError("weight sync: a check without the trainer's side of its push")
+        """vLLM's logprobs of the probe (and its continuation) against the trainer's."""
         with self.clock.timed("sync_check"):
+            trainer = sequence_logprobs(
+                self.rollout_model,
+                self.probe[: self.config.weight_sync_scored_tokens],
+                self.config.dtype,
+                self.device,
+            )
             return compare(
                 self.probe,
                 scores,

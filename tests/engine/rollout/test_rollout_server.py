@@ -363,9 +363,8 @@ def finite(route: str, body: dict[str, Any]) -> tuple[int, bytes] | None:
 def test_each_check_holds_the_sampler_to_the_weights_of_its_own_push(
     stand_in, tmp_path: Path
 ) -> None:
-    """The trainer's side of the check is taken as its push goes out, of the weights pushed:
-    after the weights change the check measures the new ones (|-1.5 - their logprobs|), never
-    the last push's."""
+    """The trainer's side of the check is of the weights its step pushed: after the weights
+    change the check measures the new ones (|-1.5 - their logprobs|), never the last push's."""
     server = stand_in(finite)
     engine = Engine(server_config(server.url, tmp_path))
     sampling = engine.sampling
