@@ -1,6 +1,6 @@
 """The vLLM server grpod starts, two ways side by side on the CPU: its executor
-(`--compare executor`, the default), its weight push (`--compare push`) or when the trainer
-computes its side of the weight-sync check (`--compare check`).
+(`--compare executor`, the default) or its weight push (`--compare push`); or what the
+trainer's side of the weight-sync check costs a step (`--compare check-cost`).
 
 `--compare executor`: the model in the engine core's process (`uni`, grpod's default there)
 against a worker process of its own (`mp`, vLLM's CPU default).
@@ -19,9 +19,13 @@ the trainer's tensors copied into one shared region the server loads in place,
 engine/rollout/shared_weights.py) against `"snapshot"` (a safetensors file in /dev/shm that
 the server reloads).
 
-`--compare check`: the trainer's logprobs of the probe before the push (`before-push`, grpod's
-order since 2026-12-04, `Sampling._push_to_sampler`) against after the rollout (`after-rollout`,
-the order before: the side's process runs `check_after_rollout`'s two methods instead).
+`--compare check-cost`: one process, one server, its steps alternating (ABBA) between the
+check as it is and no check (`Sampling._sample` patched: the rollout's requests without the
+probe's two, no trainer forward, no comparison, a passing check in its place). The median of
+each pair's step difference is what the whole check costs a step: vLLM's side of it (which
+no phase times: it rides in the rollout's requests) and the trainer's, whose `sync_check`
+phase alone does not say it (its forward runs just before the training pass and warms what
+that pass reads).
 
 Each round runs both sides, one after the other, each in a process of its own (two servers
 at once would spin into each other), in alternating order; a side steps rollout -> accumulate ->
@@ -29,8 +33,8 @@ apply under every guard (`decide_step`, the default `GuardPolicy`) on the vLLM s
 reports its step's median and its phases' medians (`sync`: the push; `sync_check`: the trainer's
 side of the weight-sync check).
 
-    .venv/bin/python bench/server_executor.py [--compare executor|push] [--workload W1|W2|W4]
-        [--steps 12] [--rounds 1]
+    .venv/bin/python bench/server_executor.py [--compare executor|push|check-cost]
+        [--workload W1|W2|W4] [--steps 12] [--rounds 1] [--pairs 100]
 
 Prints one JSON line (also appended to bench/out/results.jsonl).
 """
@@ -48,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/server_executor.py` from the repo root
     sys.path.insert(0, str(ROOT))
 
-from common import emit, set_threads, workload_config  # noqa: E402
+from common import bootstrap_ci95, emit, set_threads, workload_config  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 WARMUP = 3
@@ -59,36 +63,12 @@ SIDES = {
         "shared-memory": {"vllm_server_push": "shared-memory"},
         "snapshot": {"vllm_server_push": "snapshot"},
     },
-    "check": {"before-push": {}, "after-rollout": {}},
 }
-OLD_ORDER = ("check", "after-rollout")  # the one side that changes code, not the config
 
 
-def check_after_rollout() -> None:
-    """The check's order before 2026-12-04: the push alone, then the trainer's forward of the
-    probe once the rollout is in, with the comparison (both timed as `sync_check`)."""
-    from grpod.engine.rollout.sampling import Sampling
-
-    check = Sampling._check_sampler
-
-    def push_only(self, step):  # _push_to_sampler as it was
-        self.start()
-        with self.clock.timed("sync"):
-            self._unloaded = self.vllm.push(self.rollout_model, self.faults.push(step))
-
-    def forward_then_check(self, scores):
-        self._trainer_probe = self._trainer_logprobs()
-        return check(self, scores)
-
-    Sampling._push_to_sampler, Sampling._check_sampler = push_only, forward_then_check
-
-
-def side(workload: str, overrides: dict, steps: int, out: mp.Queue, old_order: bool) -> None:
-    """One side's run: `steps` timed steps after WARMUP, their medians put on `out`;
-    `old_order`: the check's forward after the rollout (`check_after_rollout`)."""
+def side(workload: str, overrides: dict, steps: int, out: mp.Queue) -> None:
+    """One side's run: `steps` timed steps after WARMUP, their medians put on `out`."""
     set_threads()
-    if old_order:
-        check_after_rollout()
     from grpod.engine import Engine
     from grpod.engine.grpo.step import decide_step
     from grpod.guards import GuardPolicy
@@ -116,13 +96,90 @@ def side(workload: str, overrides: dict, steps: int, out: mp.Queue, old_order: b
     )
 
 
+def check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
+    """`pairs` pairs of steps after WARMUP, one with the trainer's side of the check and one
+    without (in ABBA order); each pair's steps and the checked step's `sync_check` on `out`."""
+    set_threads()
+    from grpod.engine import Engine
+    from grpod.engine.grpo.step import decide_step
+    from grpod.engine.rollout.sampling import Sampling
+    from grpod.engine.weight_sync import WeightSyncCheck
+    from grpod.guards import GuardPolicy
+
+    sample = Sampling._sample
+    skip = [False]
+
+    def maybe_checked(self, prompts, seed, temperature, probe=True):
+        if not skip[0] or self.vllm is None or not probe:
+            return sample(self, prompts, seed, temperature, probe)
+        rollout = sample(self, prompts, seed, temperature, probe=False)  # no probe requests
+        version, dtype = self.weight_version(), self.config.dtype
+        self.weight_sync = WeightSyncCheck(version, 0.0, 0, 0, 0, dtype)  # a passing check
+        return rollout
+
+    Sampling._sample = maybe_checked
+    server = {"rollout_backend": "vllm-server", "vllm_server_python": str(VLLM_PYTHON)}
+    engine = Engine(workload_config(workload, **server))
+    policy = GuardPolicy()
+    with_check, without, check = [], [], []
+    phases: dict[str, dict[str, list[float]]] = {"with": {}, "without": {}}
+    try:
+        for _ in range(WARMUP):
+            decide_step(engine, policy, engine.rollout())
+        for pair in range(pairs):
+            for skipped in (False, True) if pair % 2 == 0 else (True, False):
+                skip[0] = skipped
+                started = time.perf_counter()
+                result = decide_step(engine, policy, engine.rollout())
+                (without if skipped else with_check).append(time.perf_counter() - started)
+                if not skipped:
+                    check.append(result.phase_seconds["sync_check"])
+                side = phases["without" if skipped else "with"]
+                for name, seconds in result.phase_seconds.items():
+                    side.setdefault(name, []).append(seconds)
+    finally:
+        engine.close()
+    out.put({"with": with_check, "without": without, "sync_check": check, "phases": phases})
+
+
+def check_cost_report(workload: str, pairs: int) -> dict:
+    out = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(target=check_cost, args=(workload, pairs, out))
+    proc.start()
+    got = out.get()
+    proc.join()
+    differences = [a - b for a, b in zip(got["with"], got["without"])]
+    step = statistics.median(got["without"])
+    low, high = bootstrap_ci95(differences, statistics.median)
+    return {
+        "bench": "server_check_cost",
+        "workload": workload,
+        "pairs": pairs,
+        "step_without_median_s": round(step, 4),
+        "step_with_median_s": round(statistics.median(got["with"]), 4),
+        "check_cost_median_s": round(statistics.median(differences), 5),
+        "check_cost_ci95_s": [round(low, 5), round(high, 5)],
+        "check_cost_fraction": round(statistics.median(differences) / step, 4),
+        "sync_check_median_s": round(statistics.median(got["sync_check"]), 5),
+        "sync_check_fraction": round(statistics.median(got["sync_check"]) / step, 4),
+        "phases_median_s": {
+            side: {name: round(statistics.median(v), 5) for name, v in phases.items()}
+            for side, phases in got["phases"].items()
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compare", choices=sorted(SIDES), default="executor")
+    parser.add_argument("--compare", choices=[*sorted(SIDES), "check-cost"], default="executor")
+    parser.add_argument("--pairs", type=int, default=100, help="check-cost: pairs of steps")
     parser.add_argument("--workload", choices=("W1", "W2", "W4"), default="W1")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
+    if args.compare == "check-cost":
+        emit(check_cost_report(args.workload, args.pairs))
+        return
     ctx = mp.get_context("spawn")
     first, second = SIDES[args.compare]
     runs: dict[str, list[dict]] = {first: [], second: []}
@@ -130,10 +187,7 @@ def main() -> None:
         for name in (first, second) if round_ % 2 == 0 else (second, first):
             out = ctx.Queue()
             overrides = SIDES[args.compare][name]
-            old_order = (args.compare, name) == OLD_ORDER
-            proc = ctx.Process(
-                target=side, args=(args.workload, overrides, args.steps, out, old_order)
-            )
+            proc = ctx.Process(target=side, args=(args.workload, overrides, args.steps, out))
             proc.start()
             runs[name].append(out.get())
             proc.join()
@@ -156,7 +210,7 @@ def main() -> None:
         }
     emit(
         {
-            "bench": "server_executor" if args.compare == "executor" else f"server_{args.compare}",
+            "bench": "server_executor" if args.compare == "executor" else "server_push",
             "workload": args.workload,
             "steps": args.steps,
             "rounds": args.rounds,
