@@ -270,7 +270,7 @@ class EngineConfig(ConfigSection):
         ge=0,
         description="vllm: tokens of the probe vLLM continues after every weight sync, read "
         "through its prefix cache and fresh (the weight_sync guard compares them); 0 = one of "
-        "vLLM's KV blocks and a token (129 on CPU, 17 on CUDA)",
+        "vLLM's KV blocks and a token (33 on CPU, 17 on CUDA)",
     )
     weight_sync_scored_tokens: int = Field(
         16,
