@@ -1,6 +1,6 @@
 """The vLLM server grpod starts, two ways side by side on the CPU: its executor
 (`--compare executor`, the default) or its weight push (`--compare push`); or what the
-trainer's side of the weight-sync check costs a step (`--compare check-cost`).
+whole weight-sync check costs a step (`--compare check-cost`).
 
 `--compare executor`: the model in the engine core's process (`uni`, grpod's default there)
 against a worker process of its own (`mp`, vLLM's CPU default).
@@ -97,8 +97,8 @@ def side(workload: str, overrides: dict, steps: int, out: mp.Queue) -> None:
 
 
 def check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
-    """`pairs` pairs of steps after WARMUP, one with the trainer's side of the check and one
-    without (in ABBA order); each pair's steps and the checked step's `sync_check` on `out`."""
+    """`pairs` pairs of steps after WARMUP, one with the whole check and one without (in ABBA
+    order); each side's step seconds and phase seconds on `out`."""
     set_threads()
     from grpod.engine import Engine
     from grpod.engine.grpo.step import decide_step
@@ -121,7 +121,7 @@ def check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
     server = {"rollout_backend": "vllm-server", "vllm_server_python": str(VLLM_PYTHON)}
     engine = Engine(workload_config(workload, **server))
     policy = GuardPolicy()
-    with_check, without, check = [], [], []
+    with_check, without = [], []
     phases: dict[str, dict[str, list[float]]] = {"with": {}, "without": {}}
     try:
         for _ in range(WARMUP):
@@ -132,25 +132,25 @@ def check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
                 started = time.perf_counter()
                 result = decide_step(engine, policy, engine.rollout())
                 (without if skipped else with_check).append(time.perf_counter() - started)
-                if not skipped:
-                    check.append(result.phase_seconds["sync_check"])
                 side = phases["without" if skipped else "with"]
                 for name, seconds in result.phase_seconds.items():
                     side.setdefault(name, []).append(seconds)
     finally:
         engine.close()
-    out.put({"with": with_check, "without": without, "sync_check": check, "phases": phases})
+    out.put({"with": with_check, "without": without, "phases": phases})
 
 
 def check_cost_report(workload: str, pairs: int) -> dict:
-    out = mp.get_context("spawn").Queue()
-    proc = mp.get_context("spawn").Process(target=check_cost, args=(workload, pairs, out))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=check_cost, args=(workload, pairs, out))
     proc.start()
     got = out.get()
     proc.join()
     differences = [a - b for a, b in zip(got["with"], got["without"])]
     step = statistics.median(got["without"])
     low, high = bootstrap_ci95(differences, statistics.median)
+    check = statistics.median(got["phases"]["with"]["sync_check"])
     return {
         "bench": "server_check_cost",
         "workload": workload,
@@ -160,8 +160,8 @@ def check_cost_report(workload: str, pairs: int) -> dict:
         "check_cost_median_s": round(statistics.median(differences), 5),
         "check_cost_ci95_s": [round(low, 5), round(high, 5)],
         "check_cost_fraction": round(statistics.median(differences) / step, 4),
-        "sync_check_median_s": round(statistics.median(got["sync_check"]), 5),
-        "sync_check_fraction": round(statistics.median(got["sync_check"]) / step, 4),
+        "sync_check_median_s": round(check, 5),
+        "sync_check_fraction": round(check / step, 4),
         "phases_median_s": {
             side: {name: round(statistics.median(v), 5) for name, v in phases.items()}
             for side, phases in got["phases"].items()
