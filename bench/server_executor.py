@@ -19,6 +19,10 @@ the trainer's tensors copied into one shared region the server loads in place,
 engine/rollout/shared_weights.py) against `"snapshot"` (a safetensors file in /dev/shm that
 the server reloads).
 
+`--compare malloc`: the server's glibc malloc keeping what it frees (`vllm_server_cpu_malloc =
+"retain"`, grpod's default on a CPU: mmap and trimming off, so a push's reload reuses the
+memory the last one freed) against glibc's defaults (`"glibc"`).
+
 `--compare check-cost`: one process, one server, its steps alternating (ABBA) between the
 check as it is and no check (`Sampling._sample` patched: the rollout's requests without the
 probe's two, no trainer forward, no comparison, a passing check in its place). The median of
@@ -33,7 +37,7 @@ apply under every guard (`decide_step`, the default `GuardPolicy`) on the vLLM s
 reports its step's median and its phases' medians (`sync`: the push; `sync_check`: the trainer's
 side of the weight-sync check).
 
-    .venv/bin/python bench/server_executor.py [--compare executor|push|check-cost]
+    .venv/bin/python bench/server_executor.py [--compare executor|push|malloc|check-cost]
         [--workload W1|W2|W4] [--steps 12] [--rounds 1] [--pairs 100]
 
 Prints one JSON line (also appended to bench/out/results.jsonl).
@@ -63,6 +67,7 @@ SIDES = {
         "shared-memory": {"vllm_server_push": "shared-memory"},
         "snapshot": {"vllm_server_push": "snapshot"},
     },
+    "malloc": {"retain": {}, "glibc": {"vllm_server_cpu_malloc": "glibc"}},
 }
 
 
@@ -140,6 +145,59 @@ def check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
     out.put({"with": with_check, "without": without, "phases": phases})
 
 
+def rollout_check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
+    """`pairs` pairs of rollouts after WARMUP steps, each pair one step's prompts and seed
+    sampled twice at unchanged weights (pushed again before each, untimed): once with the
+    whole check (the probe's two requests in the rollout's call, the trainer's forward and
+    comparison) and once without, in ABBA order; each side's seconds on `out`."""
+    set_threads()
+    from grpod.engine import Engine
+    from grpod.engine.grpo.step import decide_step
+    from grpod.engine.grpo.trainer import step_seed
+    from grpod.guards import GuardPolicy
+
+    server = {"rollout_backend": "vllm-server", "vllm_server_python": str(VLLM_PYTHON)}
+    engine = Engine(workload_config(workload, **server))
+    cfg, sampling = engine.config, engine.sampling
+    with_check, without = [], []
+    try:
+        for _ in range(WARMUP):
+            decide_step(engine, GuardPolicy(), engine.rollout())
+        for pair in range(pairs):
+            step = engine.step + pair  # a new step's prompts every pair
+            _, _, prompt_ids = engine._step_prompts(step)
+            prompts = [ids for ids in prompt_ids for _ in range(cfg.group_size)]
+            seed = step_seed(cfg.seed, step // cfg.epochs)
+            for checked in (True, False) if pair % 2 == 0 else (False, True):
+                sampling._push_to_sampler(step)
+                started = time.perf_counter()
+                sampling._sample(prompts, seed, None, probe=checked)
+                (with_check if checked else without).append(time.perf_counter() - started)
+    finally:
+        engine.close()
+    out.put({"with": with_check, "without": without})
+
+
+def rollout_check_cost_report(workload: str, pairs: int) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=rollout_check_cost, args=(workload, pairs, out))
+    proc.start()
+    got = out.get()
+    proc.join()
+    differences = [a - b for a, b in zip(got["with"], got["without"])]
+    low, high = bootstrap_ci95(differences, statistics.median)
+    return {
+        "bench": "server_rollout_check_cost",
+        "workload": workload,
+        "pairs": pairs,
+        "rollout_without_median_s": round(statistics.median(got["without"]), 4),
+        "rollout_with_median_s": round(statistics.median(got["with"]), 4),
+        "check_cost_median_s": round(statistics.median(differences), 5),
+        "check_cost_ci95_s": [round(low, 5), round(high, 5)],
+    }
+
+
 def check_cost_report(workload: str, pairs: int) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -171,7 +229,11 @@ def check_cost_report(workload: str, pairs: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compare", choices=[*sorted(SIDES), "check-cost"], default="executor")
+    parser.add_argument(
+        "--compare",
+        choices=[*sorted(SIDES), "check-cost", "rollout-check-cost"],
+        default="executor",
+    )
     parser.add_argument("--pairs", type=int, default=100, help="check-cost: pairs of steps")
     parser.add_argument("--workload", choices=("W1", "W2", "W4"), default="W1")
     parser.add_argument("--steps", type=int, default=12)
@@ -179,6 +241,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.compare == "check-cost":
         emit(check_cost_report(args.workload, args.pairs))
+        return
+    if args.compare == "rollout-check-cost":
+        emit(rollout_check_cost_report(args.workload, args.pairs))
         return
     ctx = mp.get_context("spawn")
     first, second = SIDES[args.compare]
@@ -210,7 +275,7 @@ def main() -> None:
         }
     emit(
         {
-            "bench": "server_executor" if args.compare == "executor" else "server_push",
+            "bench": "server_executor" if args.compare == "executor" else f"server_{args.compare}",
             "workload": args.workload,
             "steps": args.steps,
             "rounds": args.rounds,

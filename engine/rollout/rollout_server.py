@@ -113,7 +113,10 @@ class ServerSampler:
             else:
                 self.process = ServerProcess(
                     server_argv(config, self.served, url),
-                    server_env(cpu=not torch.cuda.is_available()),
+                    server_env(
+                        cpu=not torch.cuda.is_available(),
+                        retain_memory=config.vllm_server_cpu_malloc == "retain",
+                    ),
                     _server_logger(),
                 )
                 self.client.explain = self._explain

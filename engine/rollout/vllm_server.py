@@ -263,9 +263,16 @@ TORCHRUN_ENV = (
 )
 
 
-def server_env(cpu: bool = False) -> dict[str, str]:
+# glibc's malloc for a CPU server (`vllm_server_cpu_malloc = "retain"`): every push's reload
+# allocates the model's layers anew and frees the old ones; with mmap off and no trimming the
+# next push reuses that memory warm instead of faulting in fresh pages (bench/README)
+RETAINING_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+
+
+def server_env(cpu: bool = False, retain_memory: bool = True) -> dict[str, str]:
     """The server's environment: grpod's, less torchrun's, plus vLLM's settings (`cpu`: the
-    server runs on the CPU)."""
+    server runs on the CPU; `retain_memory`: there, glibc's malloc keeps what it frees,
+    unless grpod's environment tunes malloc itself)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -279,6 +286,9 @@ def server_env(cpu: bool = False) -> dict[str, str]:
         # starts a worker process); the API server keeps its engine core in a process of
         # its own either way (server_argv: `--distributed-executor-backend uni`)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        tuned = any(k.startswith("MALLOC_") or k == "GLIBC_TUNABLES" for k in env)
+        if retain_memory and not tuned:
+            env.update(RETAINING_MALLOC)
     return env
 
 

@@ -1,12 +1,12 @@
-"""`grpod run` with `rollout_backend = "vllm-server"` and async steps (`max_staleness = 1`):
-a real vLLM OpenAI server process that grpod starts, feeds weights through safetensors
-snapshots and stops, sampling each next step while the trainer trains. One campaign, two
-starts: a weight-sync drill caught on its step, then the server SIGKILLed (one line, an
-incident, exit 1, nothing half-written, no orphan); a resume that re-runs the failed step and
-stops on SIGTERM (the server's process group gone after the daemon exits); every trained
-batch at most one version stale; `grpod replay` of an async server-sampled step in an
-environment without vLLM. (The on-policy server path shares every request and push; its
-failure cases run against a stand-in server in tests/engine.)"""
+"""`grpod run` with `rollout_backend = "vllm-server"` and async steps (`max_staleness = 1`): a
+real vLLM OpenAI server process that grpod starts (its malloc set to keep what pushes free),
+feeds weights in place through shared memory and stops, sampling each next step while the
+trainer trains. One campaign, two starts: a weight-sync drill caught on its step, then the
+server SIGKILLed (one line, an incident, exit 1, nothing half-written, no orphan); a resume
+that re-runs the failed step and stops on SIGTERM (the server's process group gone after the
+daemon exits); every trained batch at most one version stale; `grpod replay` of an async
+server-sampled step in an environment without vLLM. (The on-policy server path shares every
+request and push; its failure cases run against a stand-in server in tests/engine.)"""
 
 from __future__ import annotations
 
@@ -92,6 +92,12 @@ def replay_without_vllm(work: Path, step: int, *args: str) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
+def process_environ(pid: int) -> dict[str, str]:
+    """The environment process `pid` started with (/proc: the same user's process)."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().partition("=")[::2] for e in entries if b"=" in e)
+
+
 def server_pid(run: Grpod) -> int:
     event = run.event("rollout server")
     assert event["started"] is True and event["url"].startswith("unix:/"), event
@@ -105,10 +111,12 @@ def test_a_server_campaign_survives_a_killed_server_sigterm_and_replays(tmp_path
     campaign(work)
     args = ["--config", "grpod.toml", "--run-dir", "run", "--max-steps", str(MAX_STEPS)]
     killed: list[int] = []
+    environ: dict[str, str] = {}
 
     def kill_the_server_after_the_drill(event: dict[str, Any]) -> None:
         if event["event"] == "rollout server":
             killed.append(int(event["pid"]))
+            environ.update(process_environ(killed[0]))
         elif event["event"] == "step" and event["step"] == DRILL + 1:
             os.killpg(killed[0], signal.SIGKILL)  # the server, its engine and its workers
 
@@ -120,6 +128,9 @@ def test_a_server_campaign_survives_a_killed_server_sigterm_and_replays(tmp_path
     failed_step = max(steps)
     assert failed_step > DRILL + 1, steps
     check_steps(steps, failed_step)
+    # a CPU server's malloc keeps what each push's reload frees (vllm_server_cpu_malloc)
+    assert environ["MALLOC_MMAP_MAX_"] == "0", sorted(environ)
+    assert int(environ["MALLOC_TRIM_THRESHOLD_"]) >= 1 << 30
     lines = [line for line in first.stderr.splitlines() if line.startswith("grpod run:")]
     assert len(lines) == 1 and f"step {failed_step}: rollout server unix:/" in lines[0]
     assert "(the server exited with status -9" in lines[0], lines

@@ -30,7 +30,7 @@ from grpod.engine.rollout.rollout_server import ServerSampler, server_argv
 from grpod.engine.rollout.rollout_vllm import ServedModel
 from grpod.engine.rollout.sampler import SamplingSettings
 from grpod.engine.rollout.shared_weights import RPC_METHOD, SharedWeightsWorker, reload_attested
-from grpod.engine.rollout.vllm_server import ServerClient, ServerProcess, free_port
+from grpod.engine.rollout.vllm_server import ServerClient, ServerProcess, free_port, server_env
 from grpod.engine.weight_sync import PushFaults
 from tests.engine.helpers import config
 
@@ -511,11 +511,31 @@ def test_no_server_at_the_socket_fails_at_start(tmp_path: Path) -> None:
         ({"vllm_server_url": "http://h:1", "vllm_server_api_key_env": "A-B"}, "api_key_env"),
         ({"rollout_backend": "vllm", "vllm_server_push": "snapshot"}, "need rollout_backend"),
         ({"vllm_server_push": "disk"}, "vllm_server_push"),
+        ({"rollout_backend": "vllm", "vllm_server_cpu_malloc": "glibc"}, "need rollout_backend"),
+        ({"vllm_server_cpu_malloc": "jemalloc"}, "vllm_server_cpu_malloc"),
     ],
 )
 def test_server_settings_are_checked_in_the_config(overrides: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         config(**{"rollout_backend": "vllm-server", **overrides})
+
+
+def test_a_cpu_server_keeps_the_memory_its_pushes_free_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in [k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]:
+        monkeypatch.delenv(name)
+    retained = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+    assert retained.items() <= server_env(cpu=True).items()
+    assert not {k for k in server_env(cpu=True, retain_memory=False) if k.startswith("MALLOC_")}
+    assert not {k for k in server_env(cpu=False) if k.startswith("MALLOC_")}  # a GPU server
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # the user's own malloc settings, as they are
+    assert {k: v for k, v in server_env(cpu=True).items() if k.startswith("MALLOC_")} == {
+        "MALLOC_ARENA_MAX": "2"
+    }
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    assert not {k for k in server_env(cpu=True) if k.startswith("MALLOC_")}
 
 
 def test_preflight_names_a_server_interpreter_without_vllm(tmp_path: Path) -> None:
