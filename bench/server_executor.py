@@ -23,6 +23,16 @@ the server reloads).
 "retain"`, grpod's default on a CPU: mmap and trimming off, so a push's reload reuses the
 memory the last one freed) against glibc's defaults (`"glibc"`).
 
+`--compare adopt`: the rollout model's parameters moved into the push's shared region at the
+first push (`SharedWeights.adopt`, grpod's default when the sync directory is in memory: a
+push copies none of them) against a copy of every parameter into the region at every push
+(the adoption patched off in that side's process).
+
+`--compare rollout-check-cost`: one server; each pair samples one step's prompts twice at
+unchanged weights (pushed again, untimed, before each), with the whole check and without,
+in ABBA order: what the check adds to a rollout, its trainer forward included (run cold
+here: an upper bound on what it adds to a step).
+
 `--compare check-cost`: one process, one server, its steps alternating (ABBA) between the
 check as it is and no check (`Sampling._sample` patched: the rollout's requests without the
 probe's two, no trainer forward, no comparison, a passing check in its place). The median of
@@ -37,7 +47,8 @@ apply under every guard (`decide_step`, the default `GuardPolicy`) on the vLLM s
 reports its step's median and its phases' medians (`sync`: the push; `sync_check`: the trainer's
 side of the weight-sync check).
 
-    .venv/bin/python bench/server_executor.py [--compare executor|push|malloc|check-cost]
+    .venv/bin/python bench/server_executor.py
+        [--compare executor|push|malloc|adopt|check-cost|rollout-check-cost]
         [--workload W1|W2|W4] [--steps 12] [--rounds 1] [--pairs 100]
 
 Prints one JSON line (also appended to bench/out/results.jsonl).
@@ -60,6 +71,7 @@ from common import bootstrap_ci95, emit, set_threads, workload_config  # noqa: E
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 WARMUP = 3
+COPY_EVERY_PUSH = "copy_every_push"  # --compare adopt: the parameters copied at every push
 # each comparison's two sides: the engine overrides that make them (the first is the default)
 SIDES = {
     "executor": {"uni": {}, "mp": {"vllm_server_args": ["--distributed-executor-backend", "mp"]}},
@@ -68,6 +80,8 @@ SIDES = {
         "snapshot": {"vllm_server_push": "snapshot"},
     },
     "malloc": {"retain": {}, "glibc": {"vllm_server_cpu_malloc": "glibc"}},
+    # not a setting: the bench turns the adoption off in that side's process
+    "adopt": {"adopted": {}, "copied": {COPY_EVERY_PUSH: True}},
 }
 
 
@@ -78,6 +92,10 @@ def side(workload: str, overrides: dict, steps: int, out: mp.Queue) -> None:
     from grpod.engine.grpo.step import decide_step
     from grpod.guards import GuardPolicy
 
+    if overrides.pop(COPY_EVERY_PUSH, False):
+        from grpod.engine.rollout.shared_weights import SharedWeights
+
+        SharedWeights.adopt = lambda self, model: False  # type: ignore[method-assign]
     server = {"rollout_backend": "vllm-server", "vllm_server_python": str(VLLM_PYTHON)}
     engine = Engine(workload_config(workload, **server, **overrides))
     policy = GuardPolicy()

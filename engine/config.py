@@ -245,7 +245,8 @@ class EngineConfig(ConfigSection):
     vllm_server_push: Literal["auto", "shared-memory", "snapshot"] = Field(
         "auto",
         description="vllm-server: how weights reach the server. 'shared-memory': in place, "
-        "from one shared region the server maps (it must run on this host with grpod "
+        "from shared regions the server maps, the parameters themselves when the sync "
+        "directory is in memory (it must run on this host with grpod "
         "importable and --worker-extension-cls "
         "grpod.engine.rollout.shared_weights.SharedWeightsWorker); 'snapshot': a safetensors "
         "file it reloads; 'auto' = shared-memory for grpod's own server, snapshot for "

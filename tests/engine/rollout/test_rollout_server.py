@@ -10,8 +10,10 @@ import json
 import logging
 import math
 import os
+import shutil
 import socketserver
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -243,45 +245,109 @@ class RecordingWorker(SharedWeightsWorker):
         self.model_runner.get_model().load_weights(weights_iterator)
 
 
-def test_an_in_place_push_rewrites_one_shared_region_the_server_loads(
-    stand_in, tmp_path: Path
-) -> None:
-    bodies: list[dict[str, Any]] = []
+def loading_stand_in(stand_in, bodies: list[dict[str, Any]], workers: list[RecordingWorker]):
+    """A stand-in server whose `/collective_rpc` runs the extension on `workers[0]`."""
 
     def loading(route: str, body: dict[str, Any]):
         bodies.append({"route": route, **body})
         if route == "/collective_rpc":  # what the server's workers run for this RPC
-            result = getattr(worker, body["method"])(**body["kwargs"])
+            result = getattr(workers[0], body["method"])(**body["kwargs"])
             return 200, json.dumps({"results": [result]}).encode()
         return healthy(route, body)
 
-    server = stand_in(loading)
+    return stand_in(loading)
+
+
+def test_an_in_place_push_from_a_disk_sync_dir_copies_into_one_region_the_server_loads(
+    stand_in, tmp_path: Path
+) -> None:
+    bodies: list[dict[str, Any]] = []
+    workers: list[RecordingWorker] = []
+    server = loading_stand_in(stand_in, bodies, workers)
     engine = Engine(server_config(server.url, tmp_path, vllm_server_push="shared-memory"))
     engine.start_sampler()
     model = engine.rollout_model
-    worker = RecordingWorker(list(model.state_dict()))
+    workers.append(RecordingWorker(list(model.state_dict())))
+    storage = engine.flat_weights.untyped_storage().data_ptr()
     assert engine.vllm.push(model) == ()  # every parameter loaded
     with torch.no_grad():
         next(model.parameters()).add_(1.0)  # a training step
     assert engine.vllm.push(model) == ()
+    # tmp_path is on a disk: the parameters stay where they are, every push copies them
+    assert engine.flat_weights.untyped_storage().data_ptr() == storage
     rpcs = [b for b in bodies if b["route"] == "/collective_rpc"]
     assert [b["method"] for b in rpcs] == [RPC_METHOD] * 2
-    region = Path(rpcs[0]["kwargs"]["path"])
-    assert rpcs[1]["kwargs"]["path"] == str(region)  # rewritten in place, not made anew
+    assert rpcs[0]["kwargs"]["paths"][0] == ""  # no parameters' region
+    region = Path(rpcs[0]["kwargs"]["paths"][1])
+    assert rpcs[1]["kwargs"]["paths"][1] == str(region)  # rewritten in place, not made anew
     assert region.parent == tmp_path / "sync" and region.stat().st_mode & 0o777 == 0o600
     assert [p.name for p in region.parent.iterdir()] == [region.name]  # no snapshot
     expected = {k: v.cpu() for k, v in model.state_dict().items()}
-    for loaded in worker.loads:
+    loads = workers[0].loads
+    for loaded in loads:
         assert list(loaded) == list(expected)  # a tied head under both names
-    for name, tensor in worker.loads[1].items():
+    for name, tensor in loads[1].items():
         assert torch.equal(tensor, expected[name]), name
     first = next(iter(expected))
-    assert torch.equal(worker.loads[0][first] + 1.0, worker.loads[1][first])
+    assert torch.equal(loads[0][first] + 1.0, loads[1][first])
     assert [b["route"] for b in bodies].count("/reset_prefix_cache") == 2
     kept = engine.vllm.push(model, PushFaults(partial=True))  # the drill: one matrix left out
-    assert len(kept) == 1 and kept[0] not in worker.loads[-1]
+    assert len(kept) == 1 and kept[0] not in loads[-1]
     engine.close()
     assert not region.exists()
+
+
+def test_an_in_place_push_from_memory_reads_the_parameters_where_they_are_trained(
+    stand_in, tmp_path: Path
+) -> None:
+    bodies: list[dict[str, Any]] = []
+    workers: list[RecordingWorker] = []
+    server = loading_stand_in(stand_in, bodies, workers)
+    sync = Path(tempfile.mkdtemp(prefix="grpod-test-sync-", dir="/dev/shm"))
+    try:
+        cfg = server_config(server.url, tmp_path, vllm_server_push="shared-memory")
+        engine = Engine(cfg.model_copy(update={"vllm_server_sync_dir": str(sync)}))
+        engine.start_sampler()
+        model = engine.rollout_model
+        workers.append(RecordingWorker(list(model.state_dict())))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        assert engine.vllm.push(model) == ()
+        # the parameters now live in the region's mapping, at the offsets they had, values kept
+        params_region = sync / "parameters.region"
+        assert params_region.stat().st_mode & 0o777 == 0o600
+        size = params_region.stat().st_size
+        mapped = torch.from_file(str(params_region), shared=True, size=size // 4)  # float32
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, before[name]), name
+        cover = engine.flat_weights
+        assert cover is not None and cover.nbytes == params_region.stat().st_size
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)  # a training step, in the region itself
+        assert torch.equal(mapped[: cover.numel()], cover)  # what the server maps
+        assert engine.vllm.push(model) == ()
+        rpcs = [b["kwargs"] for b in bodies if b["route"] == "/collective_rpc"]
+        assert [r["paths"] for r in rpcs] == [[str(params_region), ""]] * 2  # nothing copied
+        manifest = {e[0]: e for e in rpcs[1]["manifest"]}
+        assert list(manifest) == list(before)  # every name, in order
+        tied = [n for n in manifest if n.endswith("embed_tokens.weight") or n == "lm_head.weight"]
+        if len(tied) == 2:  # a tied head: one slot under both names
+            assert manifest[tied[0]][3] == manifest[tied[1]][3]
+        loads = workers[0].loads
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(loads[1][name], tensor), name
+        first = next(iter(before))
+        assert torch.equal(loads[0][first] + 1.0, loads[1][first])
+        corrupt = engine.vllm.push(model, PushFaults(corrupt=True))  # the drill's altered matrix
+        assert corrupt == ()
+        paths = [b["kwargs"]["paths"] for b in bodies if b["route"] == "/collective_rpc"][-1]
+        assert paths[0] == str(params_region) and paths[1].startswith(str(sync))
+        altered = [n for n in loads[-1] if not torch.equal(loads[-1][n], loads[1][n])]
+        assert len(altered) == 1  # copied into the second region, the rest read in place
+        engine.close()
+        assert list(sync.iterdir()) == []
+        assert torch.equal(model.state_dict()[first], loads[1][first])  # still mapped, intact
+    finally:
+        shutil.rmtree(sync, ignore_errors=True)
 
 
 def test_a_server_that_loads_part_of_an_in_place_push_fails_the_push(
