@@ -72,15 +72,21 @@ class HealthServer:
 
     @classmethod
     def bind(
-        cls, host: str, port: int, registry: CollectorRegistry, health: Health, log: Any
+        cls,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        health: Health,
+        log: Any = None,
+        setting: str = "daemon.metrics_port",
     ) -> HealthServer:
         """The server, bound: a port it cannot bind is the config's error (exit 2), said
-        before anything is created."""
+        before anything is created, naming the `setting` that chose the port."""
         try:
             return cls(host, port, registry, health, log=log)
         except OSError as exc:
             raise ConfigError(
-                f"daemon.metrics_port: cannot bind {host}:{port}: {exc.strerror or exc}"
+                f"{setting}: cannot bind {host}:{port}: {exc.strerror or exc}"
             ) from None
 
     @property

@@ -102,6 +102,33 @@ class RunSink:
             },
             strict=False,
         )
+        host, port = self.metrics_address
+        if port is not None:  # a port it cannot bind: one line, before the run dir is made
+            self.server = HealthServer.bind(
+                host, port, self.registry, self.health, setting="grpod.metrics_port"
+            )
+        try:
+            self._open_run(config, tokenizer, trl_config, versions, device)
+        except BaseException:
+            if self.server is not None:  # the port is the next attempt's again
+                self.server.close()
+                self.server = None
+            raise
+        if self.server is not None:
+            self.server.start()
+        self.status.metrics_url = self.metrics_url
+        self.write_status("running")
+
+    def _open_run(
+        self,
+        config: GrpodConfig,
+        tokenizer: Any,
+        trl_config: dict[str, Any],
+        versions: dict[str, str],
+        device: str,
+    ) -> None:
+        """Rank 0: the run directory created or resumed, its store opened, the run recorded,
+        the step sink publishing."""
         if self.run_dir.is_run():
             self.run_dir.lock()
             self.status.run_id = self.run_dir.run_id()
@@ -126,12 +153,6 @@ class RunSink:
             rerun_through=-1 if last is None else last,
         )
         self.metrics, self.rank_metrics = self.steps.metrics, self.steps.rank_metrics
-        host, port = self.metrics_address
-        if port is not None:
-            self.server = HealthServer(host, port, self.registry, self.health)
-            self.server.start()
-        self.status.metrics_url = self.metrics_url
-        self.write_status("running")
 
     def publish(self, result: StepResult, correlation: float | None) -> None:
         """Every rank: record the step (gathered to rank 0), publish its metrics and status."""
