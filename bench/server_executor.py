@@ -61,7 +61,9 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/server_executor.py` from the repo root
@@ -196,13 +198,19 @@ def rollout_check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
     out.put({"with": with_check, "without": without})
 
 
-def rollout_check_cost_report(workload: str, pairs: int) -> dict:
+def in_a_process(target: Callable[..., None], *args: Any) -> dict:
+    """What `target(*args, out)` puts on `out`, run in a spawned process of its own."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=rollout_check_cost, args=(workload, pairs, out))
+    proc = ctx.Process(target=target, args=(*args, out))
     proc.start()
     got = out.get()
     proc.join()
+    return got
+
+
+def rollout_check_cost_report(workload: str, pairs: int) -> dict:
+    got = in_a_process(rollout_check_cost, workload, pairs)
     differences = [a - b for a, b in zip(got["with"], got["without"])]
     low, high = bootstrap_ci95(differences, statistics.median)
     return {
@@ -217,12 +225,7 @@ def rollout_check_cost_report(workload: str, pairs: int) -> dict:
 
 
 def check_cost_report(workload: str, pairs: int) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=check_cost, args=(workload, pairs, out))
-    proc.start()
-    got = out.get()
-    proc.join()
+    got = in_a_process(check_cost, workload, pairs)
     differences = [a - b for a, b in zip(got["with"], got["without"])]
     step = statistics.median(got["without"])
     low, high = bootstrap_ci95(differences, statistics.median)

@@ -15,19 +15,23 @@ from grpod.guards.config import GuardsConfig
 from grpod.integrations.trl_sink import RunSink
 
 
+def sink_at(run_dir: Path, port: int) -> RunSink:
+    return RunSink(
+        run_dir,
+        GuardsConfig(),
+        ForensicsConfig(),
+        log_samples=0,
+        metrics_host="127.0.0.1",
+        metrics_port=port,
+    )
+
+
 def test_a_metrics_port_that_is_taken_is_one_line_before_the_run_dir(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        sink = RunSink(
-            tmp_path / "run",
-            GuardsConfig(),
-            ForensicsConfig(),
-            log_samples=0,
-            metrics_host="127.0.0.1",
-            metrics_port=port,
-        )
+        sink = sink_at(tmp_path / "run", port)
         with pytest.raises(ConfigError) as raised:
             sink.start(None, {}, {}, "cpu")
     said = str(raised.value)
@@ -38,14 +42,7 @@ def test_a_metrics_port_that_is_taken_is_one_line_before_the_run_dir(tmp_path: P
 
 
 def test_a_free_metrics_port_is_served_once_the_run_is_open(tmp_path: Path) -> None:
-    sink = RunSink(
-        tmp_path / "run",
-        GuardsConfig(),
-        ForensicsConfig(),
-        log_samples=0,
-        metrics_host="127.0.0.1",
-        metrics_port=0,
-    )
+    sink = sink_at(tmp_path / "run", 0)  # any free port
     sink.start(None, {}, {}, "cpu")
     try:
         assert sink.metrics_url is not None and sink.metrics_url.endswith("/metrics")
