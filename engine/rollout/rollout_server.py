@@ -51,6 +51,7 @@ from grpod.engine.errors import EngineError, SamplerError
 from grpod.engine.rollout.rollout_vllm import ServedModel, to_rollout, weights_to_push
 from grpod.engine.rollout.sampler import Rollout, SamplingSettings
 from grpod.engine.rollout.shared_weights import RPC_METHOD, SharedWeights, SharedWeightsWorker
+from grpod.engine.rollout.sync_dir import SyncDir
 from grpod.engine.rollout.vllm_limits import BLOCK_TOKENS, CPU_KV_CACHE_BYTES
 from grpod.engine.rollout.vllm_server import (
     EXIT_GRACE_SECONDS,
@@ -86,11 +87,14 @@ class ServerSampler:
         self.served = ServedModel(model, config, probe_tokens, platform)
         self.probe_tokens, self.max_model_len = self.served.probe_tokens, self.served.max_model_len
         self.process: ServerProcess | None = None
-        self._own_sync_dir = not config.vllm_server_sync_dir and peer_of is None
         self.sync_dir: Path | None = None  # where the pushes' snapshots go (not a peer's)
-        if peer_of is None:
-            self.sync_dir = Path(config.vllm_server_sync_dir or sync_dir_for(model))
+        self._own: SyncDir | None = None
+        if peer_of is None and config.vllm_server_sync_dir:
+            self.sync_dir = Path(config.vllm_server_sync_dir)
             self.sync_dir.mkdir(parents=True, exist_ok=True)
+        elif peer_of is None:  # two pushes' worth of room: the one being read and the next
+            self._own = SyncDir(2 * _state_bytes(model))
+            self.sync_dir = self._own.path
         self._snapshot: Path | None = None
         self._pushes = 0
         self._shared: SharedWeights | None = None  # in-place pushes (vllm_server_push)
@@ -222,8 +226,8 @@ class ServerSampler:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
         if self._shared is not None:
             self._shared.close()
-        if self._own_sync_dir:
-            shutil.rmtree(self.sync_dir, ignore_errors=True)
+        if self._own is not None:
+            self._own.close()
         elif self._snapshot is not None:
             shutil.rmtree(self._snapshot, ignore_errors=True)
 
@@ -345,18 +349,8 @@ def _unshared(weights: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor
     return out
 
 
-def sync_dir_for(model: torch.nn.Module) -> str:
-    """A new 0700 directory for the pushes' snapshots: in shared memory (/dev/shm, a tmpfs:
-    the snapshot never touches a disk) when it has room for two snapshots of `model` (the
-    one being read and the next), else the temporary directory."""
-    need = 2 * sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    shm = Path("/dev/shm")
-    try:
-        room = shutil.disk_usage(shm).free if shm.is_dir() and os.access(shm, os.W_OK) else 0
-    except OSError:
-        room = 0
-    where = str(shm) if room >= need else None
-    return tempfile.mkdtemp(prefix="grpod-vllm-sync-", dir=where)
+def _state_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
 def _completion(prompt: list[int], **params: Any) -> dict[str, Any]:

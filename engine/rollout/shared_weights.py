@@ -3,7 +3,7 @@
 Both sides of one transfer, in one module so that the layout is written down once:
 
 - **The trainer** (`SharedWeights`) keeps its tensors in region files in the push's 0700 sync
-  directory (in /dev/shm, a tmpfs, when it has room: `rollout_server.sync_dir_for`), mode
+  directory (in /dev/shm, a tmpfs, when it has room: `engine/rollout/sync_dir.py`), mode
   0600, mapped shared. At the first push the rollout model's parameters move into a region of
   their own (`adopt`: the one storage `engine/model/flat.py` gives them, at the same offsets),
   so the server reads them where they are trained and a push copies none of them. A tensor

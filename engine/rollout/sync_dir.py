@@ -1,0 +1,91 @@
+"""The directory grpod's pushes to a vLLM server go through, and what a killed run left there.
+
+A push's shared regions or snapshots are as large as the model (engine/rollout/
+shared_weights.py), and they live in /dev/shm when it has room. A run that exits removes its
+directory; one killed by SIGKILL, the OOM killer or a power loss cannot, and under systemd's
+`Restart=on-failure` every failed start would leave a model's worth of /dev/shm behind until
+the next pushes no longer fit there. So the run holds an exclusive `flock` on a file in its
+directory for as long as it lives (the kernel drops it with the process, however it dies),
+and a new run removes this user's directories whose lock nobody holds before it measures the
+room. A lock is a kernel object, so this holds across PID namespaces that share /dev/shm; a
+directory without a lock file (an older grpod's, or one being made) is left alone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import stat
+import tempfile
+import time
+from pathlib import Path
+
+PREFIX = "grpod-vllm-sync-"
+LOCK = "owner.lock"
+SHM = Path("/dev/shm")
+# a lock file younger than this may be one whose owner has not locked it yet
+SETTLE_SECONDS = 60.0
+
+
+class SyncDir:
+    """A new 0700 directory for the pushes, locked by this process until `close`: in shared
+    memory (/dev/shm, a tmpfs: nothing touches a disk) when it has room for `need_bytes`
+    (after removing the directories of runs that died), else the temporary directory."""
+
+    def __init__(self, need_bytes: int) -> None:
+        where: Path | None = None
+        if SHM.is_dir() and os.access(SHM, os.W_OK):
+            sweep(SHM)
+            try:
+                where = SHM if shutil.disk_usage(SHM).free >= need_bytes else None
+            except OSError:
+                where = None
+        if where is None:
+            sweep(Path(tempfile.gettempdir()))
+        self.path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=where))
+        self._lock: int | None = hold(self.path / LOCK)
+
+    def close(self) -> None:
+        """Remove the directory and drop its lock."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+
+def hold(path: Path) -> int:
+    """An open descriptor of `path` (made 0600) holding an exclusive flock on it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def sweep(where: Path) -> list[Path]:
+    """Remove this user's push directories in `where` whose owner is gone (their lock file
+    unlocked and older than SETTLE_SECONDS); returns them."""
+    removed: list[Path] = []
+    try:
+        entries = [p for p in where.iterdir() if p.name.startswith(PREFIX)]
+    except OSError:
+        return removed
+    for directory in entries:
+        try:
+            info = directory.lstat()
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            lock = directory / LOCK
+            if time.time() - lock.lstat().st_mtime < SETTLE_SECONDS:
+                continue
+            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:  # no lock file: an older grpod's, or being made
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its run is alive
+            os.close(fd)
+            continue
+        shutil.rmtree(directory, ignore_errors=True)
+        os.close(fd)
+        removed.append(directory)
+    return removed
