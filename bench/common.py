@@ -507,6 +507,7 @@ def run_lockstep(
         finally:
             ctx.set_executable(sys.executable)
             sys.path[:] = path
+        child.close()  # the child's end is the child's alone: its death is EOF here, not a hang
         os.environ.clear()
         os.environ.update(saved)
         sides[name] = {"conn": parent, "proc": proc}
