@@ -2,7 +2,7 @@
 
 A push's shared regions or snapshots are as large as the model (engine/rollout/
 shared_weights.py), and they live in /dev/shm when it has room. A run that exits removes its
-directory; one killed by SIGKILL, the OOM killer or a power loss cannot, and under systemd's
+directory; one killed by SIGKILL or the OOM killer cannot, and under systemd's
 `Restart=on-failure` every failed start would leave a model's worth of /dev/shm behind until
 the next pushes no longer fit there. So the run holds an exclusive `flock` on a file in its
 directory for as long as it lives (the kernel drops it with the process, however it dies),
