@@ -259,12 +259,12 @@ def loading_stand_in(stand_in, bodies: list[dict[str, Any]], workers: list[Recor
 
 
 def test_an_in_place_push_from_a_disk_sync_dir_copies_into_one_region_the_server_loads(
-    stand_in, tmp_path: Path
+    stand_in, disk_dir: Path
 ) -> None:
     bodies: list[dict[str, Any]] = []
     workers: list[RecordingWorker] = []
     server = loading_stand_in(stand_in, bodies, workers)
-    engine = Engine(server_config(server.url, tmp_path, vllm_server_push="shared-memory"))
+    engine = Engine(server_config(server.url, disk_dir, vllm_server_push="shared-memory"))
     engine.start_sampler()
     model = engine.rollout_model
     workers.append(RecordingWorker(list(model.state_dict())))
@@ -273,14 +273,14 @@ def test_an_in_place_push_from_a_disk_sync_dir_copies_into_one_region_the_server
     with torch.no_grad():
         next(model.parameters()).add_(1.0)  # a training step
     assert engine.vllm.push(model) == ()
-    # tmp_path is on a disk: the parameters stay where they are, every push copies them
+    # a disk: the parameters stay where they are, every push copies them
     assert engine.flat_weights.untyped_storage().data_ptr() == storage
     rpcs = [b for b in bodies if b["route"] == "/collective_rpc"]
     assert [b["method"] for b in rpcs] == [RPC_METHOD] * 2
     assert rpcs[0]["kwargs"]["paths"][0] == ""  # no parameters' region
     region = Path(rpcs[0]["kwargs"]["paths"][1])
     assert rpcs[1]["kwargs"]["paths"][1] == str(region)  # rewritten in place, not made anew
-    assert region.parent == tmp_path / "sync" and region.stat().st_mode & 0o777 == 0o600
+    assert region.parent == disk_dir / "sync" and region.stat().st_mode & 0o777 == 0o600
     assert [p.name for p in region.parent.iterdir()] == [region.name]  # no snapshot
     expected = {k: v.cpu() for k, v in model.state_dict().items()}
     loads = workers[0].loads

@@ -24,14 +24,12 @@ def test_a_manifest_entry_outside_its_region_is_refused() -> None:
         views([region], [["w", "float32", [2], 0, 1]])
 
 
-def test_only_a_sync_dir_in_memory_takes_the_parameters(tmp_path: Path) -> None:
+def test_only_a_sync_dir_in_memory_takes_the_parameters(disk_dir: Path) -> None:
     assert in_memory(Path("/dev/shm"))
     assert not in_memory(Path("/proc"))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     flatten_parameters(model)
-    if in_memory(tmp_path):
-        pytest.fail(f"{tmp_path} is on a tmpfs: this test needs a disk-backed directory")
-    on_disk = SharedWeights(tmp_path)
+    on_disk = SharedWeights(disk_dir)
     assert not on_disk.adopt(model)  # training there would write the disk
     pushed = on_disk.write(list(model.state_dict().items()))
     assert pushed["paths"][PARAMS] == "" and {e[4] for e in pushed["manifest"]} == {COPIES}
