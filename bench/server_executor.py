@@ -72,6 +72,7 @@ if str(ROOT) not in sys.path:  # run as `python bench/server_executor.py` from t
 from common import bootstrap_ci95, emit, set_threads, workload_config  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+SERVER = {"rollout_backend": "vllm-server", "vllm_server_python": str(VLLM_PYTHON)}
 WARMUP = 3
 COPY_EVERY_PUSH = "copy_every_push"  # --compare adopt: the parameters copied at every push
 # each comparison's two sides: the engine overrides that make them (the first is the default)
@@ -98,8 +99,7 @@ def side(workload: str, overrides: dict, steps: int, out: mp.Queue) -> None:
         from grpod.engine.rollout.shared_weights import SharedWeights
 
         SharedWeights.adopt = lambda self, model: False  # type: ignore[method-assign]
-    server = {"rollout_backend": "vllm-server", "vllm_server_python": str(VLLM_PYTHON)}
-    engine = Engine(workload_config(workload, **server, **overrides))
+    engine = Engine(workload_config(workload, **SERVER, **overrides))
     policy = GuardPolicy()
     times: list[float] = []
     phases: dict[str, list[float]] = {}
@@ -143,8 +143,7 @@ def check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
         return rollout
 
     Sampling._sample = maybe_checked
-    server = {"rollout_backend": "vllm-server", "vllm_server_python": str(VLLM_PYTHON)}
-    engine = Engine(workload_config(workload, **server))
+    engine = Engine(workload_config(workload, **SERVER))
     policy = GuardPolicy()
     with_check, without = [], []
     phases: dict[str, dict[str, list[float]]] = {"with": {}, "without": {}}
@@ -176,8 +175,7 @@ def rollout_check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
     from grpod.engine.grpo.trainer import step_seed
     from grpod.guards import GuardPolicy
 
-    server = {"rollout_backend": "vllm-server", "vllm_server_python": str(VLLM_PYTHON)}
-    engine = Engine(workload_config(workload, **server))
+    engine = Engine(workload_config(workload, **SERVER))
     cfg, sampling = engine.config, engine.sampling
     with_check, without = [], []
     try:

@@ -64,21 +64,29 @@ def storage_cover(params: list[torch.Tensor]) -> torch.Tensor | None:
     return cover
 
 
+def parameter_bytes(model: torch.nn.Module) -> torch.Tensor | None:
+    """A 1-D uint8 tensor over the one storage all of `model`'s parameters live in, each of
+    them contiguous (a flattened model's), or None."""
+    params = list(model.parameters())
+    cover = storage_cover(params)
+    if cover is None or not all(p.is_contiguous() for p in params):
+        return None
+    return cover.view(torch.uint8)
+
+
 def move_parameters(model: torch.nn.Module, into: torch.Tensor) -> None:
     """Move a flattened model's parameters (one storage: `flatten_parameters`) into `into`, a
     1-D uint8 tensor of at least the storage's bytes, at the same byte offsets: the same
     Parameter objects (ties, optimizer state and layout kept), now views of `into`."""
-    params = list(model.parameters())
-    cover = storage_cover(params)
-    if cover is None or not all(p.is_contiguous() for p in params):
+    source = parameter_bytes(model)
+    if source is None:
         raise ValueError("move_parameters: the parameters do not share one storage")
-    source = cover.view(torch.uint8)
     if into.dtype != torch.uint8 or into.dim() != 1 or into.numel() < source.numel():
         raise ValueError(f"move_parameters: {source.numel()} bytes do not fit {tuple(into.shape)}")
     base = source.data_ptr()
     with torch.no_grad():
         into[: source.numel()].copy_(source)
-        for p in params:
+        for p in model.parameters():
             start = p.data_ptr() - base
             nbytes = p.numel() * p.element_size()
             p.data = into[start : start + nbytes].view(p.dtype).view(p.shape)

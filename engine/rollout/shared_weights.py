@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from grpod.engine.errors import EngineError
-from grpod.engine.model.flat import move_parameters, storage_cover
+from grpod.engine.model.flat import move_parameters, parameter_bytes
 
 RPC_METHOD = "grpod_load_shared"
 ALIGN = 64  # bytes: every slot starts on a cache line, and any dtype's view is aligned
@@ -65,7 +65,7 @@ def region_bytes(manifest: list[list[Any]]) -> int:
     """The copies region's size for `manifest` (at least one slot's alignment)."""
     if not manifest:
         return ALIGN
-    _, dtype, shape, offset = manifest[-1][:4]
+    _, dtype, shape, offset = manifest[-1]
     return offset + _padded(math.prod(shape) * _dtype(dtype).itemsize)
 
 
@@ -116,21 +116,12 @@ class SharedWeights:
         """Move `model`'s parameters into a region of their own (once; on a CPU, when they
         share one storage and the sync directory is in memory): from then on a push copies
         none of them. Returns whether they live there."""
-        params = list(model.parameters())
-        cover = storage_cover(params)
-        if (
-            cover is None
-            or cover.device.type != "cpu"
-            or not all(p.is_contiguous() for p in params)
-        ):
+        if self.params is not None:  # adopted: still there unless something moved them
+            return self._offset(next(model.parameters())) is not None
+        source = parameter_bytes(model)
+        if source is None or source.device.type != "cpu" or not in_memory(self.sync_dir):
             return False
-        if self.params is not None:
-            return self._offset(params[0]) is not None
-        if not in_memory(self.sync_dir):
-            return False
-        self.params = Region(
-            self.sync_dir / "parameters.region", cover.numel() * cover.element_size()
-        )
+        self.params = Region(self.sync_dir / "parameters.region", source.numel())
         move_parameters(model, self.params.tensor)
         return True
 

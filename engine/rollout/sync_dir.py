@@ -34,15 +34,14 @@ class SyncDir:
     (after removing the directories of runs that died), else the temporary directory."""
 
     def __init__(self, need_bytes: int) -> None:
+        for place in (SHM, Path(tempfile.gettempdir())):  # both: a run may have used either
+            sweep(place)
         where: Path | None = None
         if SHM.is_dir() and os.access(SHM, os.W_OK):
-            sweep(SHM)
             try:
                 where = SHM if shutil.disk_usage(SHM).free >= need_bytes else None
             except OSError:
                 where = None
-        if where is None:
-            sweep(Path(tempfile.gettempdir()))
         self.path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=where))
         self._lock: int | None = hold(self.path / LOCK)
 
