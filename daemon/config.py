@@ -53,6 +53,11 @@ class DaemonConfig(ConfigSection):
         "auto", description="auto = console on a TTY, JSON lines otherwise"
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    publish_hold_seconds: NonNegative = Field(
+        1.0,
+        description="a healthy step's metrics and log line may wait this long to go out with "
+        "the next steps' in one burst (cheaper per step); 0 = each at once",
+    )
     state_digest_on_exit: bool = Field(
         False, description="log engine.state_digest() at exit (hashes all weights; tests, audits)"
     )

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from grpod.daemon import logs
 from grpod.daemon.progress import Progress
 from grpod.engine.grpo.samples import decode_samples
 from grpod.engine.verdict import Action
@@ -29,7 +30,9 @@ class StepConsole:
     ) -> None:
         self.log, self.progress, self.samples = log, progress, samples
 
-    def announce(self, result: StepResult, rerun: bool = False) -> None:
+    def announce(self, result: StepResult, rerun: bool = False, at: float | None = None) -> None:
+        """The step's line (`at`: its time.time(), for a line sent after its step; None:
+        now)."""
         for dropped in result.ahead.dropped if result.ahead is not None else ():
             self.log.warning("rollout dropped", **dataclasses.asdict(dropped))
         fields = step_fields(result)
@@ -42,6 +45,8 @@ class StepConsole:
             ]
         if rerun:
             fields["rerun"] = True
+        if at is not None:
+            fields["ts"] = logs.iso_utc(at)
         action = result.verdict.action
         (self.log.warning if action >= Action.WARN else self.log.info)("step", **fields)
         if self.progress is not None:

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import TextIO
 
 import structlog
@@ -39,7 +40,8 @@ def make_logger(
     processors: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+        # a line sent after its event (a held step's, daemon/sink.py) brings its own `ts`
+        structlog.processors.MaybeTimeStamper(fmt="iso", utc=True, key="ts"),
     ]
     if drop_events and _isatty(out):
         processors.append(_Drop(drop_events))
@@ -97,6 +99,11 @@ class _Forward(logging.Handler):
         except Exception:  # a library's bad format string must not end the run
             message = str(record.msg)
         method("library", logger=record.name, level_name=record.levelname, message=message)
+
+
+def iso_utc(seconds: float) -> str:
+    """`seconds` (time.time()) as the `ts` field writes the present: ISO 8601, UTC, "Z"."""
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def bind_run(run_id: str, rank: int) -> None:

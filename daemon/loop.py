@@ -81,7 +81,7 @@ class Daemon:
         self.log = logs.make_logger(
             cfg.log_format,
             cfg.log_level,
-            before_write=self.progress.clear if self.progress else None,
+            before_write=self._before_line,
             drop_events=frozenset({"step"}) if self.progress else frozenset(),
         )
         self.notifier = Notifier()
@@ -107,7 +107,7 @@ class Daemon:
             notify=self.notifier.status,
             on_error=self._status_not_written,
         )
-        self.status.metrics_url = self._metrics_url()
+        self.status.metrics_url = None if self.server is None else self.server.metrics_url
         self.engine: Engine | None = None
         self.policy: GuardPolicy | None = None
         self.recorder: Recorder | None = None  # rank 0's flight recorder (NoRecorder elsewhere)
@@ -154,10 +154,11 @@ class Daemon:
             logs.clear()
 
     def _failed_to_start(self, exc: BaseException) -> None:
-        """A system failure before the first step (a full disk): one line (exit 1)."""
+        """A system failure before the first step (a full disk): one line (exit 1), said
+        first: under torchrun the agent may end this rank right after."""
         reason = failure_reason(exc)
-        self.log.error("failed", error=reason)
         print(f"grpod run: error: cannot start: {reason}", file=sys.stderr, flush=True)
+        self.log.error("failed", error=reason)
 
     def _start(self) -> None:
         plan, cfg = self.plan, self.config
@@ -203,7 +204,7 @@ class Daemon:
             next_step=self.engine.step,
             rerun_through=self.sink.rerun_through,
             max_steps=cfg.daemon.max_steps,
-            metrics=self._metrics_url(),
+            metrics=self.status.metrics_url,
             pid=os.getpid(),
         )
         if self.checkpoints.step < 0:
@@ -231,6 +232,7 @@ class Daemon:
             status=self.status,
             health=self.health,
             announce=console.announce,
+            hold_seconds=cfg.daemon.publish_hold_seconds,
         )
         self.metrics, self.rank_metrics = self.sink.metrics, self.sink.rank_metrics
         self.checkpoints = Checkpoints(
@@ -311,6 +313,7 @@ class Daemon:
     # ----------------------------------------------------------------- shutdown
     def _shutdown(self, code: int, reason: str, checkpoint: bool = True) -> int:
         self.signals.abortable = False
+        self.sink.close()  # the held steps' metrics and lines, before anything about the stop
         stops = self.signals.stop_count  # one more while shutting down ends the linger too
         if self.progress is not None:
             self.progress.finish()
@@ -380,14 +383,18 @@ class Daemon:
             self.server = None
         self.notifier.close()
 
+    def _before_line(self) -> None:
+        """Before any line: the progress bar clears, the sink's held step lines go first."""
+        if self.progress is not None:
+            self.progress.clear()
+        if self.sink is not None:
+            self.sink.flush()
+
     def _attributed(self, record: AttributionRecord) -> None:
         if self.metrics is not None:
             self.metrics.observe_attribution(record)
 
     # ----------------------------------------------------------------- status
-    def _metrics_url(self) -> str | None:
-        return None if self.server is None else self.server.metrics_url
-
     def _status_not_written(self, exc: OSError) -> None:
         """A live view: a full disk must not turn a stop into a traceback."""
         self.log.warning("status not written", error=failure_reason(exc))

@@ -4,18 +4,26 @@ and the TRL trainer publish through the same class."""
 
 from __future__ import annotations
 
+import io
+import json
+import threading
+import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from grpod.daemon import logs
 from grpod.daemon.config import DaemonConfig, GrpodConfig
+from grpod.daemon.console import StepConsole
 from grpod.daemon.exitcodes import EXIT_OK
 from grpod.daemon.health import Health
 from grpod.daemon.loop import Daemon
 from grpod.daemon.metrics import Metrics, RankMetrics
 from grpod.daemon.rundir import Plan, RunDir
-from grpod.daemon.sink import StepSink
+from grpod.daemon.sink import NoRecorder, StepSink
 from grpod.daemon.status_view import StatusView
 from grpod.engine import EngineConfig, Outcome, StepResult
 from grpod.forensics import FlightRecorder, ForensicsConfig, Store
@@ -54,7 +62,7 @@ def test_a_decided_step_is_recorded_scraped_and_shown(tmp_path: Path) -> None:
         rank_metrics=RankMetrics(registry, 0),
         status=status,
         health=Health(60.0),
-        announce=lambda result, rerun: announced.append((result.step, rerun)),
+        announce=lambda result, rerun, at: announced.append((result.step, rerun)),
         rerun_through=2,
     )
     published = sink.publish(decided(3), 0.83)
@@ -92,7 +100,7 @@ def test_a_step_the_store_held_is_recorded_as_a_rerun(tmp_path: Path) -> None:
     recorder = FlightRecorder(tmp_path, ForensicsConfig())
     recorder.start_run("r1", {"engine": {}}, {}, "cpu")
     announced: list[tuple[int, bool]] = []
-    sink = StepSink(recorder, announce=lambda r, rerun: announced.append((r.step, rerun)))
+    sink = StepSink(recorder, announce=lambda r, rerun, at: announced.append((r.step, rerun)))
     sink.rerun_through = 5
     sink.publish(decided(5, Verdict(Action.PASS, [])))
     recorder.close()
@@ -159,3 +167,98 @@ def plan(run_dir: Path) -> Plan:
         daemon=DaemonConfig(run_dir=str(run_dir), metrics=False, progress="off"),
     )
     return Plan(config, RunDir(run_dir), "in-process", False, None, None)
+
+
+PASS = Verdict(Action.PASS, [])
+
+
+def test_healthy_steps_wait_for_their_burst_and_go_out_in_order() -> None:
+    """With a hold, a healthy step's metrics and line wait; a step with a finding sends the
+    held ones first, then itself, at once. A held line carries its own step's time."""
+    registry = CollectorRegistry()
+    announced: list[tuple[int, float | None]] = []
+    sink = StepSink(
+        NoRecorder(),
+        metrics=Metrics(registry, {"grpod": "0", "torch": "2", "transformers": "5"}),
+        announce=lambda result, rerun, at: announced.append((result.step, at)),
+        hold_seconds=3600.0,
+    )
+    sink._sent_at = time.monotonic()  # a burst just went out: the hold runs from now
+    before = time.time()
+    for step in (1, 2):
+        sink.publish(decided(step, PASS))
+    assert announced == []
+    held = parse_metrics(generate_latest(registry).decode())
+    assert held["grpod_step"] == 0 and held['grpod_steps_total{outcome="applied"}'] == 0
+    sink.publish(decided(3))  # WARN: at once, after the held ones
+    assert [step for step, _ in announced] == [1, 2, 3]
+    held_at = [at for _, at in announced[:2]]
+    assert all(at is not None and before <= at <= time.time() for at in held_at)
+    assert announced[2][1] is None  # sent as it was published: stamped as it is written
+    values = parse_metrics(generate_latest(registry).decode())
+    assert values["grpod_step"] == 3 and values['grpod_steps_total{outcome="applied"}'] == 3
+    sink.publish(decided(4, PASS))
+    assert [step for step, _ in announced] == [1, 2, 3]
+    sink.close()  # what is held goes out
+    assert [step for step, _ in announced] == [1, 2, 3, 4]
+
+
+def test_what_is_held_goes_out_once_the_hold_is_over_without_another_step() -> None:
+    """The publish thread sends a burst when no step comes after it (a stall, an eval)."""
+    sent = threading.Event()
+    sink = StepSink(NoRecorder(), announce=lambda result, rerun, at: sent.set(), hold_seconds=0.2)
+    sink._sent_at = time.monotonic()
+    sink.publish(decided(1, PASS))
+    try:
+        assert sent.wait(60), "the held step never went out"
+    finally:
+        sink.close()
+    assert sink._timer is not None and not sink._timer.is_alive()
+
+
+def test_a_held_line_keeps_its_steps_context_and_time_and_goes_before_any_later_line(
+    tmp_path: Path,
+) -> None:
+    """The daemon's logger sends the held step lines before any other line (its
+    `before_write`), each with its own step's `step`, `run_id` and `ts`."""
+    out = io.StringIO()
+    sink_box: list[StepSink] = []
+    log = logs.make_logger("json", "info", stream=out, before_write=lambda: sink_box[0].flush())
+    sink = StepSink(NoRecorder(), announce=StepConsole(log).announce, hold_seconds=3600.0)
+    sink_box.append(sink)
+    sink._sent_at = time.monotonic()
+    logs.bind_run("run-held", 0)
+    try:
+        for step in (7, 8):
+            with logs.step_context(step):
+                sink.publish(decided(step, PASS))
+        assert out.getvalue() == ""
+        with logs.step_context(9):
+            log.info("checkpoint saved")
+    finally:
+        logs.clear()
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(x["event"], x["step"], x["run_id"]) for x in lines] == [
+        ("step", 7, "run-held"),
+        ("step", 8, "run-held"),
+        ("checkpoint saved", 9, "run-held"),
+    ]
+    stamps = [datetime.fromisoformat(x["ts"].replace("Z", "+00:00")) for x in lines]
+    assert stamps == sorted(stamps) and all(x["ts"].endswith("Z") for x in lines)
+
+
+def test_a_burst_that_fails_on_the_publish_thread_fails_the_next_step() -> None:
+    """A failure in a burst sent beside the trainer is not lost: the next publish raises it
+    (the daemon's loop turns it into a failed run, exit 1)."""
+
+    def announce(result: StepResult, rerun: bool, at: float | None) -> None:
+        raise OSError(28, "No space left on device")
+
+    sink = StepSink(NoRecorder(), announce=announce, hold_seconds=0.2)
+    sink._sent_at = time.monotonic()
+    sink.publish(decided(1, PASS))
+    assert sink._timer is not None
+    sink._timer.join(60)
+    assert not sink._timer.is_alive()
+    with pytest.raises(OSError, match="No space left"):
+        sink.publish(decided(2, PASS))
