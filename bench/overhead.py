@@ -24,8 +24,9 @@ every other step is a bare one. On W1 that work holds the GIL about as long as i
 busy thread of 1 ms slows a W1 step by 1.0 ms), so half of it lands on the bare side. Pairs
 therefore bound the ratio from both ends: `ratio` (the writer's work shared by both sides)
 and `ratio_writer_charged` (its whole CPU time added to the monitored side, which counts
-the half that fell there twice). The blocks' `ratio_drain_at_cpu` is the figure a campaign
-sees.
+the half that fell there twice); `ratio_background_charged` adds the publish thread's bursts
+(`[daemon] publish_hold_seconds`, daemon/sink.py) the same way. The blocks' `ratio_drain_at_cpu`
+is the figure a campaign sees. `--publish-hold 0` publishes every step at once (A/B).
 
     .venv/bin/python bench/overhead.py [--rounds 120] [--block 16]
     .venv/bin/python bench/overhead.py --pairs 1000
@@ -87,6 +88,7 @@ def monitored_block(daemon: Daemon, steps: int) -> tuple[float, float, float, in
     recorder = daemon.recorder
     started, cpu = time.perf_counter(), time.process_time()
     halted = daemon_steps(daemon, steps)
+    daemon.sink.flush()  # the held steps' metrics and lines belong to this side
     stepped, writer_cpu = time.perf_counter(), recorder.write_cpu_seconds_total
     recorder.drain()  # the recorder's background writes belong to this side
     drain_cpu = recorder.write_cpu_seconds_total - writer_cpu
@@ -104,6 +106,7 @@ def paired_steps(daemon: Daemon, bare: Engine, pairs: int) -> dict[str, Any]:
     writer's CPU seconds in these pairs added to the monitored side (the module doc)."""
     walls: list[tuple[float, float]] = []
     writer_cpu = daemon.recorder.write_cpu_seconds_total
+    publish_cpu = daemon.sink.background_cpu_seconds
     halted = None
     for pair in range(pairs):
         seconds = {}
@@ -119,9 +122,11 @@ def paired_steps(daemon: Daemon, bare: Engine, pairs: int) -> dict[str, Any]:
             break
         walls.append((seconds["bare"], seconds["monitored"]))
     started = time.perf_counter()
+    daemon.sink.flush()
     daemon.recorder.drain()
     drain = time.perf_counter() - started
     writer_cpu = daemon.recorder.write_cpu_seconds_total - writer_cpu
+    publish_cpu = daemon.sink.background_cpu_seconds - publish_cpu
 
     def ratio(values: list[tuple[float, float]]) -> float:
         share = drain * len(values) / len(walls)  # the drain, spread over the pairs
@@ -134,6 +139,13 @@ def paired_steps(daemon: Daemon, bare: Engine, pairs: int) -> dict[str, Any]:
         "ratio_writer_charged": round(
             sum(b for b, _ in walls) / (sum(m for _, m in walls) + drain + writer_cpu), 4
         ),
+        # also the publisher thread's bursts (daemon/sink.py) at their whole CPU time
+        "ratio_background_charged": round(
+            sum(b for b, _ in walls)
+            / (sum(m for _, m in walls) + drain + writer_cpu + publish_cpu),
+            4,
+        ),
+        "publish_background_cpu_seconds_per_step": round(publish_cpu / max(pairs, 1), 6),
         "bare_seconds_per_step": round(sum(b for b, _ in walls) / pairs, 5),
         "monitored_seconds_per_step": round((sum(m for _, m in walls) + drain) / pairs, 5),
         "final_drain_seconds": round(drain, 4),
@@ -164,6 +176,12 @@ def main() -> int:
         help="the incidents' attribution off (W1's spike WARNs each start one): the fixed cost",
     )
     parser.add_argument(
+        "--publish-hold",
+        type=float,
+        default=DaemonConfig().publish_hold_seconds,
+        help="[daemon] publish_hold_seconds (0: every step's metrics and line at once)",
+    )
+    parser.add_argument(
         "--device", default="cpu", help="W1's device (cuda: the fixed cost on a GPU node)"
     )
     args = parser.parse_args()
@@ -176,7 +194,11 @@ def main() -> int:
             engine=workload,
             forensics=ForensicsConfig(attribution=attribution),
             daemon=DaemonConfig(
-                run_dir=str(run_dir.path), metrics_port=0, log_format="json", progress="off"
+                run_dir=str(run_dir.path),
+                metrics_port=0,
+                log_format="json",
+                progress="off",
+                publish_hold_seconds=args.publish_hold,
             ),
         )
         plan = Plan(config, run_dir, "overhead", False, None, None)
@@ -233,6 +255,7 @@ def main() -> int:
                 "paired": paired_figures,
                 "goal": 0.99,
                 "attribution": not args.no_attribution,
+                "publish_hold_seconds": args.publish_hold,
                 "recorded_steps": recorded,
                 "recorder_commits": commits,
                 "incidents": incidents,
@@ -272,6 +295,7 @@ def main() -> int:
                 statistics.median(cpu["bare"]) / statistics.median(cpu["monitored"]), 4
             ),
             "goal": 0.99,
+            "publish_hold_seconds": args.publish_hold,
             "recorded_steps": recorded,
             "recorder_commits": commits,
             "incidents": incidents,
