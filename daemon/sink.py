@@ -37,6 +37,7 @@ from grpod.daemon import distributed
 from grpod.daemon.health import Health
 from grpod.daemon.metrics import Metrics, RankMetrics
 from grpod.daemon.status_view import StatusView
+from grpod.engine.verdict import Outcome
 
 if TYPE_CHECKING:  # engine.step imports the Engine (torch): a type here, not an import
     from prometheus_client import CollectorRegistry
@@ -159,20 +160,20 @@ class StepSink:
         """Record and publish one decided step; returns it with its `record` phase seconds."""
         if self.rank_metrics is not None:
             self.rank_metrics.observe(result)
+        rerun = self.is_rerun(result.step)
         started = time.perf_counter()
         recorded = distributed.gather_step(result)  # rank 0: every rank's batch and report
         if recorded is not None:
-            self.recorder.record(recorded, rerun=self.is_rerun(result.step))
+            self.recorder.record(recorded, rerun=rerun)
         seconds = time.perf_counter() - started
         result = dataclasses.replace(
             result, phase_seconds={**result.phase_seconds, "record": seconds}
         )
         if self.status is not None:
             self.status.note_step(result)
-        rerun = self.is_rerun(result.step)
-        held = _Held(result, correlation, rerun, time.time(), contextvars.copy_context())
         if self._failure is not None:  # the publish thread's burst failed: this step fails
             raise self._failure
+        held = _Held(result, correlation, rerun, time.time(), contextvars.copy_context())
         with self._waiting:  # never waits for a burst being sent
             self._held.append(held)
             count = len(self._held)
@@ -232,7 +233,7 @@ class StepSink:
         ahead = result.ahead
         return bool(
             result.verdict.findings
-            or str(result.outcome) != "applied"
+            or result.outcome is not Outcome.APPLIED
             or rerun
             or (ahead is not None and ahead.dropped)
         )
