@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpod.base.fileio import atomic_dir
+from grpod.base import torchrun
 from grpod.base.oneline import one_line
 from grpod.engine.errors import EngineError
 from grpod.engine.model.parallel import Parallel
@@ -48,9 +49,10 @@ def save(
     Replicas under torchrun (`parallel = "none"`: no process group) write rank 0's state
     only: every rank writing its own to the one directory raced (a rename onto the
     directory a peer had just published failed the step, else the last writer won), and a
-    resume restores every replica from it."""
+    resume restores every replica from it. A replica's `parallel.rank` is 0 (it is a job of
+    its own), so torchrun's rank decides which one writes."""
     if not parallel.distributed:
-        if parallel.rank != 0:
+        if parallel.rank != 0 or torchrun.rank() != 0:
             return Path(path)
         return save_checkpoint(path, states, extra)
     import torch.distributed as dist

@@ -41,15 +41,25 @@ def test_a_pending_step_or_a_missing_state_is_refused(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "ck", {"engine": engine, "guards": engine})
 
 
-def test_replicas_under_torchrun_checkpoint_rank_0s_state_alone(tmp_path: Path) -> None:
+def test_replicas_under_torchrun_checkpoint_rank_0s_state_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # parallel = "none" under torchrun: a replica per rank, one run dir, no process group.
     # Two writers of one checkpoint directory raced (a step failed with "Directory not
-    # empty" in the two-node test), and the last one's state won.
-    engine = Engine(config(prompts_per_step=2, group_size=4))
+    # empty" in the two-node test), and the last one's state won. A replica is a job of its
+    # own (its Parallel says rank 0 of 1), so torchrun's RANK decides who writes.
+    cfg = config(prompts_per_step=2, group_size=4, parallel="none")
+    engine = Engine(cfg)
     where = tmp_path / "step-00000001"
-    peer = distcp.save(where, {"engine": engine}, Parallel("none", rank=1, world_size=2))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    replica = Parallel.start(cfg)
+    assert (replica.mode, replica.rank, replica.world_size) == ("none", 0, 1)
+    peer = distcp.save(where, {"engine": engine}, replica)
     assert peer == where and not where.exists() and list(tmp_path.iterdir()) == []
-    distcp.save(where, {"engine": engine}, Parallel("none", rank=0, world_size=2))
-    resumed = Engine(config(prompts_per_step=2, group_size=4))
-    distcp.load(where, {"engine": resumed}, Parallel("none", rank=1, world_size=2))
+    monkeypatch.setenv("RANK", "0")
+    distcp.save(where, {"engine": engine}, Parallel.start(cfg))
+    monkeypatch.setenv("RANK", "1")
+    resumed = Engine(cfg)
+    distcp.load(where, {"engine": resumed}, Parallel.start(cfg))
     assert resumed.state_digest() == engine.state_digest()
