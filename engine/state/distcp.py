@@ -25,8 +25,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grpod.base.fileio import atomic_dir
 from grpod.base import torchrun
+from grpod.base.fileio import atomic_dir
 from grpod.base.oneline import one_line
 from grpod.engine.errors import EngineError
 from grpod.engine.model.parallel import Parallel
