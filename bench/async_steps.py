@@ -29,7 +29,6 @@ Prints one JSON line (also appended to bench/out/results.jsonl).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -41,10 +40,13 @@ if str(ROOT) not in sys.path:  # run as `python bench/async_steps.py` from the r
     sys.path.insert(0, str(ROOT))
 
 from common import (  # noqa: E402
+    SERVER_CPU,
+    TRAINER_CPU,
     _grpod_worker,
     _trl_worker,
     emit,
     peak_rss_mib,
+    pin_process,
     run_lockstep,
     set_threads,
     workload_config,
@@ -95,18 +97,6 @@ def throughput_worker(conn, backend: str, staleness: int, workload: str, pin: bo
         conn.send(("step", seconds, result.report.reward_mean, tokens, phases))
     engine.close()
     conn.send(("done", peak_rss_mib(), None))
-
-
-# `--pin`: a server side's server on one core and its trainer on the other (a node where the
-# sampler has its own device); the other sides share both cores as usual
-TRAINER_CPU, SERVER_CPU = 0, 1
-
-
-def pin_process(cpus: set[int]) -> None:
-    """Every thread of this process (and what it starts from now on) onto `cpus`."""
-    for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(task), cpus)
 
 
 def throughput(args: argparse.Namespace) -> dict:

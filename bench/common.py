@@ -10,6 +10,7 @@ step and never compete for the two cores (see `run_interleaved`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
@@ -154,6 +155,18 @@ def completion_reward(completion_ids: list[int], answer: str, chars: str = ARITH
 
 
 # ------------------------------------------------------------------ the two sides
+# `--pin`: a server side's server on one core and its trainer on the other (a node where the
+# sampler has its own device); the other sides share both cores as usual
+TRAINER_CPU, SERVER_CPU = 0, 1
+
+
+def pin_process(cpus: set[int]) -> None:
+    """Every thread of this process (and what it starts from now on) onto `cpus`."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cpus)
+
+
 def set_threads() -> None:
     os.environ["OMP_NUM_THREADS"] = str(THREADS)
     torch.set_num_threads(THREADS)

@@ -31,11 +31,13 @@ push copies none of them) against a copy of every parameter into the region at e
 `--compare rollout-check-cost`: one server; each pair samples one step's prompts twice at
 unchanged weights (pushed again, untimed, before each), with the whole check and without,
 in ABBA order: what the check adds to a rollout, its trainer forward included (run cold
-here: an upper bound on what it adds to a step).
+here: an upper bound on what it adds to a step). `--pin`: the server on one core and the
+trainer on the other, one thread each, so the check's forward runs while the server samples
+(`--no-beside`: after the rollout, as on shared cores).
 
 `--compare check-cost`: one process, one server, its steps alternating (ABBA) between the
 check as it is and no check (`Sampling._sample` patched: the rollout's requests without the
-probe's two, no trainer forward, no comparison, a passing check in its place). The median of
+probe's, no trainer forward, no comparison, a passing check in its place). The median of
 each pair's step difference is what the whole check costs a step: vLLM's side of it (which
 no phase times: it rides in the rollout's requests) and the trainer's, whose `sync_check`
 phase alone does not say it (its forward runs just before the training pass and warms what
@@ -49,7 +51,7 @@ side of the weight-sync check).
 
     .venv/bin/python bench/server_executor.py
         [--compare executor|push|malloc|adopt|check-cost|rollout-check-cost]
-        [--workload W1|W2|W4] [--steps 12] [--rounds 1] [--pairs 100]
+        [--workload W1|W2|W4] [--steps 12] [--rounds 1] [--pairs 100] [--pin] [--no-beside]
 
 Prints one JSON line (also appended to bench/out/results.jsonl).
 """
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -69,7 +72,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/server_executor.py` from the repo root
     sys.path.insert(0, str(ROOT))
 
-from common import bootstrap_ci95, emit, set_threads, workload_config  # noqa: E402
+from common import (  # noqa: E402
+    SERVER_CPU,
+    TRAINER_CPU,
+    bootstrap_ci95,
+    emit,
+    pin_process,
+    set_threads,
+    workload_config,
+)
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SERVER = {"rollout_backend": "vllm-server", "vllm_server_python": str(VLLM_PYTHON)}
@@ -164,19 +175,47 @@ def check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
     out.put({"with": with_check, "without": without, "phases": phases})
 
 
-def rollout_check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
+def rollout_check_cost(workload: str, pairs: int, pin: bool, beside: bool, out: mp.Queue) -> None:
     """`pairs` pairs of rollouts after WARMUP steps, each pair one step's prompts and seed
     sampled twice at unchanged weights (pushed again before each, untimed): once with the
     whole check (the probe's two requests in the rollout's call, the trainer's forward and
-    comparison) and once without, in ABBA order; each side's seconds on `out`."""
+    comparison; the forward's seconds too) and once without, in ABBA order; each side's
+    seconds on `out`. `pin`: the server on one core, the trainer on the other, one thread
+    each (then the check's forward runs while the server samples, unless not `beside`)."""
     set_threads()
+    import torch
+
     from grpod.engine import Engine
     from grpod.engine.grpo.step import decide_step
     from grpod.engine.grpo.trainer import step_seed
+    from grpod.engine.rollout.sampling import Sampling
     from grpod.guards import GuardPolicy
 
-    engine = Engine(workload_config(workload, **SERVER))
+    score = Sampling._score_probe
+    trainer_side: list[float] = []  # the check's trainer forward, wherever it ran
+
+    def timed_score(self):
+        started = time.perf_counter()
+        try:
+            return score(self)
+        finally:
+            trainer_side.append(time.perf_counter() - started)
+
+    Sampling._score_probe = timed_score
+    if not beside:
+        Sampling._check_beside = lambda self: False
+    extra: dict = {}
+    if pin:  # the server grpod starts inherits core 1; its OpenMP threads bind there too
+        extra["threads"] = 1
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(SERVER_CPU)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        pin_process({SERVER_CPU})
+    engine = Engine(workload_config(workload, **SERVER, **extra))
     cfg, sampling = engine.config, engine.sampling
+    if pin:  # the trainer on core 0 alone, one thread
+        engine.start_sampler()
+        pin_process({TRAINER_CPU})
+        torch.set_num_threads(1)
     with_check, without = [], []
     try:
         for _ in range(WARMUP):
@@ -186,6 +225,8 @@ def rollout_check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
             _, _, prompt_ids = engine._step_prompts(step)
             prompts = [ids for ids in prompt_ids for _ in range(cfg.group_size)]
             seed = step_seed(cfg.seed, step // cfg.epochs)
+            if pair == 0:
+                trainer_side.clear()  # the warm-up steps' own checks
             for checked in (True, False) if pair % 2 == 0 else (False, True):
                 sampling._push_to_sampler(step)
                 started = time.perf_counter()
@@ -193,7 +234,7 @@ def rollout_check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
                 (with_check if checked else without).append(time.perf_counter() - started)
     finally:
         engine.close()
-    out.put({"with": with_check, "without": without})
+    out.put({"with": with_check, "without": without, "sync_check": trainer_side})  # forward
 
 
 def in_a_process(target: Callable[..., None], *args: Any) -> dict:
@@ -207,18 +248,21 @@ def in_a_process(target: Callable[..., None], *args: Any) -> dict:
     return got
 
 
-def rollout_check_cost_report(workload: str, pairs: int) -> dict:
-    got = in_a_process(rollout_check_cost, workload, pairs)
+def rollout_check_cost_report(workload: str, pairs: int, pin: bool, beside: bool) -> dict:
+    got = in_a_process(rollout_check_cost, workload, pairs, pin, beside)
     differences = [a - b for a, b in zip(got["with"], got["without"])]
     low, high = bootstrap_ci95(differences, statistics.median)
     return {
         "bench": "server_rollout_check_cost",
         "workload": workload,
         "pairs": pairs,
+        "pinned": pin,
+        "check_beside_rollout": beside,
         "rollout_without_median_s": round(statistics.median(got["without"]), 4),
         "rollout_with_median_s": round(statistics.median(got["with"]), 4),
         "check_cost_median_s": round(statistics.median(differences), 5),
         "check_cost_ci95_s": [round(low, 5), round(high, 5)],
+        "trainer_forward_median_s": round(statistics.median(got["sync_check"]), 5),
     }
 
 
@@ -257,12 +301,21 @@ def main() -> None:
     parser.add_argument("--workload", choices=("W1", "W2", "W4"), default="W1")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--pin", action="store_true", help="rollout-check-cost: server and trainer a core each"
+    )
+    parser.add_argument(
+        "--no-beside",
+        action="store_true",
+        help="rollout-check-cost: the check's forward after the rollout, even where it could "
+        "run beside it",
+    )
     args = parser.parse_args()
     if args.compare == "check-cost":
         emit(check_cost_report(args.workload, args.pairs))
         return
     if args.compare == "rollout-check-cost":
-        emit(rollout_check_cost_report(args.workload, args.pairs))
+        emit(rollout_check_cost_report(args.workload, args.pairs, args.pin, not args.no_beside))
         return
     ctx = mp.get_context("spawn")
     first, second = SIDES[args.compare]

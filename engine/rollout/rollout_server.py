@@ -40,6 +40,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -186,11 +187,29 @@ class ServerSampler:
             raise self.client.error("/collective_rpc", f"answered {short_json(answer)} to {what}")
         return answer["results"]
 
+    @property
+    def own_cores(self) -> bool:
+        """Whether the server grpod started runs on CPU cores this process does not (its
+        affinity and the trainer's are disjoint): then the check's trainer forward can run
+        while the server samples, without the two fighting over cores. False for a server
+        named by `vllm_server_url` (where it runs is not known here)."""
+        if self.process is None:
+            return False
+        try:
+            return os.sched_getaffinity(self.process.pid).isdisjoint(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # no such call here, or the server has exited
+            return False
+
     def sample(
-        self, prompts: list[list[int]], settings: SamplingSettings, probe: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        settings: SamplingSettings,
+        probe: list[int] | None = None,
+        beside: Callable[[], None] | None = None,
     ) -> tuple[Rollout, ProbeScores | None]:
         """One completion per prompt, each request seeded by `settings.request_seed`, and the
-        weight-sync probe's scores (`probe`): the colocated sampler's contract."""
+        weight-sync probe's scores (`probe`): the colocated sampler's contract. `beside` runs
+        on this thread once every request is sent, while the server samples them."""
         bodies = [
             _completion(
                 p,
@@ -209,7 +228,10 @@ class ServerSampler:
                 _completion(probe, **common),
                 _completion(probe, prompt_logprobs=0, **common),
             ]
-        answers = list(self._pool.map(self._complete, bodies))
+        answers = self._pool.map(self._complete, bodies)  # every request in flight now
+        if beside is not None:
+            beside()
+        answers = list(answers)
         scores = None
         if probe is not None:
             scores = self._probe_scores(probe, answers[0], answers[1])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +144,11 @@ class VLLMSampler:
         return tuple(sorted({name for names in unloaded for name in names}))
 
     def sample(
-        self, prompts: list[list[int]], settings: SamplingSettings, probe: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        settings: SamplingSettings,
+        probe: list[int] | None = None,
+        beside: Callable[[], None] | None = None,
     ) -> tuple[Rollout, ProbeScores | None]:
         """One completion per prompt, each request seeded by `settings.request_seed`
         (temperature 0 is greedy), and the weight-sync probe's scores (`probe`).

@@ -12,6 +12,7 @@ the same whichever backend sampled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -69,10 +70,17 @@ class Sampler(Protocol):
         ...
 
     def sample(
-        self, prompts: list[list[int]], settings: SamplingSettings, probe: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        settings: SamplingSettings,
+        probe: list[int] | None = None,
+        beside: Callable[[], None] | None = None,
     ) -> tuple[Rollout, ProbeScores | None]:
         """One completion per prompt, seeded from `settings.seed` (temperature 0 is greedy),
-        and the scores of the weight-sync probe when `probe` is given (None otherwise)."""
+        and the scores of the weight-sync probe when `probe` is given (None otherwise). A
+        backend that samples off the caller's thread (the server) runs `beside` on the
+        caller's thread once every request is sent, while they are sampled (the check's
+        trainer forward); the others never call it."""
         ...
 
     def close(self) -> None:

@@ -285,8 +285,10 @@ class Sampling:
         if self.vllm is not None and not probe:  # pushed and checked by `_push_and_check`
             return self.vllm.sample(prompts, settings)[0]
         if self.vllm is not None:  # pushed by `_push_to_sampler`
-            rollout, scores = self.vllm.sample(prompts, settings, probe=self.probe)
-            self.weight_sync = self._check_sampler(scores)
+            scored: list[torch.Tensor] = []  # the trainer's side, beside the sampling if it can
+            beside = (lambda: scored.append(self._score_probe())) if self._check_beside() else None
+            rollout, scores = self.vllm.sample(prompts, settings, probe=self.probe, beside=beside)
+            self.weight_sync = self._check_sampler(scores, scored[0] if scored else None)
             return rollout
         return self.torch_sampler.sample(prompts, settings)[0]
 
@@ -339,15 +341,32 @@ class Sampling:
         if self._worker is not None:
             self._worker.shutdown(wait=False, cancel_futures=True)
 
-    def _check_sampler(self, scores: ProbeScores) -> WeightSyncCheck:
-        """vLLM's logprobs of the probe (and its continuation) against the trainer's."""
+    def _check_beside(self) -> bool:
+        """Whether the check's trainer forward may run while the sampler samples: when the
+        trainer computes on a GPU, or the server grpod started has CPU cores of its own. On
+        cores they share it may not: at W4 on 2 shared cores that forward took 2.0 s instead
+        of 0.1 s beside the server, and the rollout slowed as much (bench/README.md)."""
+        return self.device.type == "cuda" or bool(getattr(self.vllm, "own_cores", False))
+
+    def _score_probe(self) -> torch.Tensor:
+        """The trainer's logprobs of the probe's first `weight_sync_scored_tokens` tokens
+        (what vLLM's prompt logprobs are compared with): the check's only trainer compute."""
         with self.clock.timed("sync_check"):
-            trainer = sequence_logprobs(
+            return sequence_logprobs(
                 self.rollout_model,
                 self.probe[: self.config.weight_sync_scored_tokens],
                 self.config.dtype,
                 self.device,
             )
+
+    def _check_sampler(
+        self, scores: ProbeScores, trainer: torch.Tensor | None = None
+    ) -> WeightSyncCheck:
+        """vLLM's logprobs of the probe (and its continuation) against the trainer's
+        (`trainer`: already scored beside the sampling; None: scored now)."""
+        if trainer is None:
+            trainer = self._score_probe()
+        with self.clock.timed("sync_check"):
             return compare(
                 self.probe,
                 scores,

@@ -191,7 +191,11 @@ class TorchSampler:
         return ()
 
     def sample(
-        self, prompts: list[list[int]], settings: SamplingSettings, probe: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        settings: SamplingSettings,
+        probe: list[int] | None = None,
+        beside: Callable[[], None] | None = None,
     ) -> tuple[Rollout, ProbeScores | None]:
         """`sample` on the model, with a generator seeded `settings.seed` on the model's device."""
         cfg = self.config

@@ -449,6 +449,47 @@ def test_each_check_holds_the_sampler_to_the_weights_of_its_own_push(
     assert second.weight_sync.max_abs_diff != first.weight_sync.max_abs_diff
 
 
+def test_the_check_scores_while_the_server_samples_on_cores_of_its_own(
+    stand_in, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the server has cores of its own, the trainer's side of the check runs once
+    every request is sent, while the rollout's completions are sampled (the stand-in holds
+    each of them until the trainer has scored the probe, or 60 s); on cores the trainer
+    shares, or for a server named by URL, after the last completion."""
+    scored, held, answered, wait = threading.Event(), [], [], [True]
+
+    def rollout_waits_for_the_check(route: str, body: dict[str, Any]):
+        if route == "/v1/completions" and not body.get("ignore_eos"):  # not the probe's
+            if wait[0]:
+                held.append(scored.wait(60))
+            answered.append(scored.is_set())
+        return finite(route, body)
+
+    server = stand_in(rollout_waits_for_the_check)
+    engine = Engine(server_config(server.url, tmp_path))
+    score = engine.sampling._score_probe
+
+    def marked():
+        try:
+            return score()
+        finally:
+            scored.set()
+
+    engine.sampling._score_probe = marked
+    monkeypatch.setattr(ServerSampler, "own_cores", property(lambda self: True))
+    batch = engine.rollout()
+    assert held == [True] * batch.num_samples  # each completion was answered after the scoring
+    assert batch.weight_sync is not None and batch.weight_sync.max_abs_diff > 0.0
+    monkeypatch.undo()
+    assert engine.vllm.own_cores is False  # named by URL: where it runs is not known
+    scored.clear()
+    answered.clear()
+    wait[0] = False  # the completions answered at once this time
+    batch = engine.rollout()
+    assert answered == [False] * batch.num_samples and scored.is_set()
+    engine.close()
+
+
 def test_a_failed_rollout_keeps_the_step_prompts_for_its_incident(stand_in, tmp_path: Path) -> None:
     def no_completions(route: str, body: dict[str, Any]):
         return (503, b"{}") if route == "/v1/completions" else healthy(route, body)
