@@ -466,7 +466,8 @@ def test_the_check_scores_while_the_server_samples_on_cores_of_its_own(
         return finite(route, body)
 
     server = stand_in(rollout_waits_for_the_check)
-    engine = Engine(server_config(server.url, tmp_path))
+    patient = {"vllm_server_timeout_seconds": 120.0}  # the held answers: never a timeout
+    engine = Engine(server_config(server.url, tmp_path).model_copy(update=patient))
     score = engine.sampling._score_probe
 
     def marked():
