@@ -471,7 +471,7 @@ def test_a_node_server_that_dies_while_starting_is_every_ranks_line_and_exit_1(
     )
     lines = [line for line in done.stderr.splitlines() if line.startswith("grpod run: error:")]
     ranks = [line for line in lines if died in line]
-    assert len(ranks) == 2, lines
+    assert len(ranks) == 2, done.stderr[-6000:]
     assert sum("(on local rank 0, which runs the node's rollout server)" in x for x in ranks) == 1
     assert any("exit codes: rank 0 1, rank 1 1" in line for line in done.stderr.splitlines())
     assert not any(x.startswith("Traceback") for x in done.stderr.splitlines()), done.stderr
