@@ -30,13 +30,13 @@ import os
 import secrets
 import signal
 import socket
-import sys
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
 
+from grpod.base.oneline import one_line, say
 from grpod.daemon.errors import ConfigError
 from grpod.daemon.exitcodes import (
     EXIT_BAD_INPUT,
@@ -294,9 +294,7 @@ def launch(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
     except Exception as exc:  # the rendezvous (a node that never came): not the input's
-        from grpod.base.oneline import one_line
-
-        print(f"grpod run: error: launcher: {one_line(exc)}", file=sys.stderr)
+        say(f"grpod run: error: launcher: {one_line(exc)}")
         return EXIT_FAILURE
     finally:
         for signum, handler in previous.items():
@@ -306,6 +304,6 @@ def launch(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     if status != EXIT_OK:
         exited = ", ".join(f"rank {r} {c}" for r, c in sorted(codes.items()))
         others = "; the others 0" if len(codes) < config.nproc_per_node else ""
-        print(f"grpod run: the job exits {status} (exit codes: {exited}{others})", file=sys.stderr)
+        say(f"grpod run: the job exits {status} (exit codes: {exited}{others})")
     notifier.close()
     return status

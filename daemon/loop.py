@@ -20,13 +20,13 @@ import contextlib
 import dataclasses
 import os
 import signal
-import sys
 import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from grpod.base import torchrun
+from grpod.base.oneline import say
 from grpod.daemon import distributed, logs
 from grpod.daemon.checkpoints import Checkpoints
 from grpod.daemon.config import GrpodConfig, reload_guards
@@ -147,7 +147,7 @@ class Daemon:
         except Exception as exc:  # not the input's (a full disk): one line, exit 1
             reason = failure_reason(exc)
             self.log.error("failed", error=reason)
-            print(f"grpod run: error: failed at step {self.engine.step}: {reason}", file=sys.stderr)
+            say(f"grpod run: error: failed at step {self.engine.step}: {reason}")
             return self._shutdown(EXIT_FAILURE, f"failed: {reason}", checkpoint=False)
         finally:
             self.signals.restore()
@@ -157,7 +157,7 @@ class Daemon:
         """A system failure before the first step (a full disk): one line (exit 1), said
         first: under torchrun the agent may end this rank right after."""
         reason = failure_reason(exc)
-        print(f"grpod run: error: cannot start: {reason}", file=sys.stderr, flush=True)
+        say(f"grpod run: error: cannot start: {reason}")
         self.log.error("failed", error=reason)
 
     def _start(self) -> None:
@@ -275,7 +275,7 @@ class Daemon:
             if self.input_failure is not None:  # a reward that failed: checkpoint, exit 2
                 return self._shutdown(EXIT_BAD_INPUT, self.input_failure)
             if self.system_failure is not None:  # the rollout server: checkpoint, exit 1
-                print(f"grpod run: error: {self.system_failure}", file=sys.stderr)
+                say(f"grpod run: error: {self.system_failure}")
                 return self._shutdown(EXIT_FAILURE, f"failed: {self.system_failure}")
             if action == Action.HALT:
                 return self._shutdown(
@@ -324,7 +324,7 @@ class Daemon:
             EXIT_BAD_INPUT: "refused",
         }.get(code, "abandoned")
         if code == EXIT_BAD_INPUT:  # the input's fault: one line, as the CLI's own errors
-            print(f"grpod run: error: {reason}", file=sys.stderr)
+            say(f"grpod run: error: {reason}")
         self.notifier.stopping(f"{state}: {reason}")
         self.health.stop(reason)
         if self.metrics is not None:

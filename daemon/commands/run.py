@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from grpod.base.oneline import say
 from grpod.daemon.commands.args import non_negative
 
 
@@ -64,12 +65,12 @@ def _run(args: argparse.Namespace) -> int:
         refusal = str(exc)
     refused = distributed.agree_refusal(refusal)
     if refused is not None:
-        _error_line(f"grpod run: error: {refused}")
+        say(f"grpod run: error: {refused}")
         distributed.leave(EXIT_BAD_INPUT, together=True)
     try:
         code = _serve(plan, daemon)
     except BAD_INPUT_ERRORS as exc:  # found on some ranks only (a damaged weight file)
-        _error_line(f"grpod run: error: {exc}")
+        say(f"grpod run: error: {exc}")
         code = EXIT_BAD_INPUT
     distributed.leave(code, together=code in (EXIT_OK, EXIT_HALT))
     return code
@@ -120,10 +121,3 @@ def _print_summary(run_dir, store_url: str) -> None:
     step = summary["incident_steps"][-1] if summary["incident_steps"] else summary["last_step"]
     print(f"store: {summary['store']} (run dir {run_dir})", file=sys.stderr)
     print(f"replay a step: grpod replay --run-dir {run_dir} --step {step}", file=sys.stderr)
-
-
-def _error_line(line: str) -> None:
-    """`line` and its newline in one write: the ranks share one stderr, and `print` writes
-    the newline apart (unbuffered, another rank's line lands between the two)."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
