@@ -234,7 +234,7 @@ def rollout_check_cost(workload: str, pairs: int, pin: bool, beside: bool, out: 
                 (with_check if checked else without).append(time.perf_counter() - started)
     finally:
         engine.close()
-    out.put({"with": with_check, "without": without, "sync_check": trainer_side})  # forward
+    out.put({"with": with_check, "without": without, "forward": trainer_side})
 
 
 def in_a_process(target: Callable[..., None], *args: Any) -> dict:
@@ -262,7 +262,7 @@ def rollout_check_cost_report(workload: str, pairs: int, pin: bool, beside: bool
         "rollout_with_median_s": round(statistics.median(got["with"]), 4),
         "check_cost_median_s": round(statistics.median(differences), 5),
         "check_cost_ci95_s": [round(low, 5), round(high, 5)],
-        "trainer_forward_median_s": round(statistics.median(got["sync_check"]), 5),
+        "trainer_forward_median_s": round(statistics.median(got["forward"]), 5),
     }
 
 

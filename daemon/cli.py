@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from grpod.base.fileio import private_umask
+from grpod.base.oneline import say
 from grpod.daemon.exitcodes import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
@@ -52,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, inside the try, not at interpreter exit
         return code
     except BAD_INPUT_ERRORS as exc:
-        print(f"grpod {args.command}: error: {exc}", file=sys.stderr)
+        say(f"grpod {args.command}: error: {exc}")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
     except OSError as exc:  # not the input's (a full disk during export): one line, exit 1
         where = f" ({exc.filename})" if exc.filename else ""
-        print(f"grpod {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        say(f"grpod {args.command}: error: {exc.strerror or exc}{where}")
         return EXIT_FAILURE
 
 

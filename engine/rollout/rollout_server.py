@@ -228,10 +228,10 @@ class ServerSampler:
                 _completion(probe, **common),
                 _completion(probe, prompt_logprobs=0, **common),
             ]
-        answers = self._pool.map(self._complete, bodies)  # every request in flight now
+        pending = self._pool.map(self._complete, bodies)  # every request in flight now
         if beside is not None:
             beside()
-        answers = list(answers)
+        answers = list(pending)
         scores = None
         if probe is not None:
             scores = self._probe_scores(probe, answers[0], answers[1])

@@ -52,7 +52,7 @@ def save(
     resume restores every replica from it. A replica's `parallel.rank` is 0 (it is a job of
     its own), so torchrun's rank decides which one writes."""
     if not parallel.distributed:
-        if parallel.rank != 0 or torchrun.rank() != 0:
+        if torchrun.rank() != 0:
             return Path(path)
         return save_checkpoint(path, states, extra)
     import torch.distributed as dist
