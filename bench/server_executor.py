@@ -28,12 +28,15 @@ first push (`SharedWeights.adopt`, grpod's default when the sync directory is in
 push copies none of them) against a copy of every parameter into the region at every push
 (the adoption patched off in that side's process).
 
-`--compare rollout-check-cost`: one server; each pair samples one step's prompts twice at
-unchanged weights (pushed again, untimed, before each), with the whole check and without,
-in ABBA order: what the check adds to a rollout, its trainer forward included (run cold
-here: an upper bound on what it adds to a step). `--pin`: the server on one core and the
-trainer on the other, one thread each, so the check's forward runs while the server samples
-(`--no-beside`: after the rollout, as on shared cores).
+`--compare rollout-check-cost`: one server; each round (`--pairs` of them) samples one step's
+prompts three times at unchanged weights (pushed again, untimed, before each), in rotating
+order: without the check; with it as an on-policy FP32 step runs it by default
+(`weight_sync_on_rollout`: vLLM's two probe requests and the cache half's comparison, the
+weights compared on the rollout in the training forward at no further cost); and with the
+trainer scoring the probe (its forward run cold here: an upper bound on what it adds to a
+step). `--pin`: the server on one core and the trainer on the other, one thread each, so the
+probe's forward runs while the server samples (`--no-beside`: after the rollout, as on
+shared cores).
 
 `--compare check-cost`: one process, one server, its steps alternating (ABBA) between the
 check as it is and no check (`Sampling._sample` patched: the rollout's requests without the
@@ -145,9 +148,9 @@ def check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
     sample = Sampling._sample
     skip = [False]
 
-    def maybe_checked(self, prompts, seed, temperature, probe=True):
+    def maybe_checked(self, prompts, seed, temperature, probe=True, on_rollout=False):
         if not skip[0] or self.vllm is None or not probe:
-            return sample(self, prompts, seed, temperature, probe)
+            return sample(self, prompts, seed, temperature, probe, on_rollout)
         rollout = sample(self, prompts, seed, temperature, probe=False)  # no probe requests
         version, dtype = self.weight_version(), self.config.dtype
         self.weight_sync = WeightSyncCheck(version, 0.0, 0, 0, 0, dtype)  # a passing check
@@ -175,13 +178,18 @@ def check_cost(workload: str, pairs: int, out: mp.Queue) -> None:
     out.put({"with": with_check, "without": without, "phases": phases})
 
 
+ROUTES = ("without", "rollout", "probe")  # rollout-check-cost's three sides
+
+
 def rollout_check_cost(workload: str, pairs: int, pin: bool, beside: bool, out: mp.Queue) -> None:
-    """`pairs` pairs of rollouts after WARMUP steps, each pair one step's prompts and seed
-    sampled twice at unchanged weights (pushed again before each, untimed): once with the
-    whole check (the probe's two requests in the rollout's call, the trainer's forward and
-    comparison; the forward's seconds too) and once without, in ABBA order; each side's
+    """`pairs` rounds of rollouts after WARMUP steps, each round one step's prompts and seed
+    sampled three times at unchanged weights (pushed again before each, untimed): without
+    the check; with it as an on-policy FP32 step runs it (the probe's two requests and the
+    cache half's comparison: the weights are compared on the rollout in the training
+    forward, which costs nothing more); and with the trainer scoring the probe (its forward's
+    seconds too). The order rotates every round and reverses every third; each side's
     seconds on `out`. `pin`: the server on one core, the trainer on the other, one thread
-    each (then the check's forward runs while the server samples, unless not `beside`)."""
+    each (then the probe's forward runs while the server samples, unless not `beside`)."""
     set_threads()
     import torch
 
@@ -192,7 +200,7 @@ def rollout_check_cost(workload: str, pairs: int, pin: bool, beside: bool, out: 
     from grpod.guards import GuardPolicy
 
     score = Sampling._score_probe
-    trainer_side: list[float] = []  # the check's trainer forward, wherever it ran
+    trainer_side: list[float] = []  # the probe's trainer forward, wherever it ran
 
     def timed_score(self):
         started = time.perf_counter()
@@ -216,25 +224,26 @@ def rollout_check_cost(workload: str, pairs: int, pin: bool, beside: bool, out: 
         engine.start_sampler()
         pin_process({TRAINER_CPU})
         torch.set_num_threads(1)
-    with_check, without = [], []
+    seconds: dict[str, list[float]] = {route: [] for route in ROUTES}
     try:
         for _ in range(WARMUP):
             decide_step(engine, GuardPolicy(), engine.rollout())
-        for pair in range(pairs):
-            step = engine.step + pair  # a new step's prompts every pair
+        trainer_side.clear()  # the warm-up steps' own checks
+        for round_ in range(pairs):
+            step = engine.step + round_  # a new step's prompts every round
             _, _, prompt_ids = engine._step_prompts(step)
             prompts = [ids for ids in prompt_ids for _ in range(cfg.group_size)]
             seed = step_seed(cfg.seed, step // cfg.epochs)
-            if pair == 0:
-                trainer_side.clear()  # the warm-up steps' own checks
-            for checked in (True, False) if pair % 2 == 0 else (False, True):
+            order = ROUTES[round_ % 3 :] + ROUTES[: round_ % 3]
+            for route in order if (round_ // 3) % 2 == 0 else order[::-1]:
                 sampling._push_to_sampler(step)
                 started = time.perf_counter()
-                sampling._sample(prompts, seed, None, probe=checked)
-                (with_check if checked else without).append(time.perf_counter() - started)
+                checked, on_rollout = route != "without", route == "rollout"
+                sampling._sample(prompts, seed, None, probe=checked, on_rollout=on_rollout)
+                seconds[route].append(time.perf_counter() - started)
     finally:
         engine.close()
-    out.put({"with": with_check, "without": without, "forward": trainer_side})
+    out.put({**seconds, "forward": trainer_side})
 
 
 def in_a_process(target: Callable[..., None], *args: Any) -> dict:
@@ -250,20 +259,24 @@ def in_a_process(target: Callable[..., None], *args: Any) -> dict:
 
 def rollout_check_cost_report(workload: str, pairs: int, pin: bool, beside: bool) -> dict:
     got = in_a_process(rollout_check_cost, workload, pairs, pin, beside)
-    differences = [a - b for a, b in zip(got["with"], got["without"])]
-    low, high = bootstrap_ci95(differences, statistics.median)
-    return {
+    report = {
         "bench": "server_rollout_check_cost",
         "workload": workload,
-        "pairs": pairs,
+        "rounds": pairs,
         "pinned": pin,
-        "check_beside_rollout": beside,
+        "probe_forward_beside_rollout": beside,
         "rollout_without_median_s": round(statistics.median(got["without"]), 4),
-        "rollout_with_median_s": round(statistics.median(got["with"]), 4),
-        "check_cost_median_s": round(statistics.median(differences), 5),
-        "check_cost_ci95_s": [round(low, 5), round(high, 5)],
-        "trainer_forward_median_s": round(statistics.median(got["forward"]), 5),
     }
+    for route in ROUTES[1:]:  # each route's cost: its rollout minus the round's without
+        differences = [a - b for a, b in zip(got[route], got["without"])]
+        low, high = bootstrap_ci95(differences, statistics.median)
+        report[f"rollout_with_{route}_check_median_s"] = round(statistics.median(got[route]), 4)
+        report[f"{route}_check_cost_median_s"] = round(statistics.median(differences), 5)
+        report[f"{route}_check_cost_ci95_s"] = [round(low, 5), round(high, 5)]
+    paired = [a - b for a, b in zip(got["probe"], got["rollout"])]
+    report["probe_over_rollout_check_median_s"] = round(statistics.median(paired), 5)
+    report["probe_trainer_forward_median_s"] = round(statistics.median(got["forward"]), 5)
+    return report
 
 
 def check_cost_report(workload: str, pairs: int) -> dict:

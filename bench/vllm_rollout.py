@@ -19,8 +19,13 @@ launches do).
 `--drills` runs the vLLM sides with each weight-sync drill on its own step and prints the
 check's value on every healthy step and each drill step, and the guard's verdict.
 
+An on-policy FP32 step compares the weights on its own rollout (`weight_sync_on_rollout`, the
+default): `sync_check` is then the cache half's comparison alone, and the weights half is the
+training forward's `mismatch_max` (reported as `rollout_max`), which costs nothing more.
+`--probe-forward` sets `weight_sync_on_rollout = false`: the trainer scores the probe.
+
     .venv-vllm/bin/python bench/vllm_rollout.py [--steps 30] [--backends torch,vllm,vllm-server]
-        [--workload W1|W4] [--skip 3] [--drills]
+        [--workload W1|W4] [--skip 3] [--drills] [--probe-forward]
 
 Prints one JSON line (also appended to bench/out/results.jsonl).
 """
@@ -54,7 +59,9 @@ DRILL_STEPS = {
 }
 
 
-def worker(conn, backend: str, task: str, drills: bool = False, dtype: str = "") -> None:
+def worker(
+    conn, backend: str, task: str, drills: bool = False, dtype: str = "", probe: bool = False
+) -> None:
     set_threads()
     from grpod.engine import Engine
     from grpod.engine.grpo.step import decide_step
@@ -64,6 +71,8 @@ def worker(conn, backend: str, task: str, drills: bool = False, dtype: str = "")
     overrides = {"faults": {k: [v] for k, v in DRILL_STEPS.items()}} if drills else {}
     if dtype:
         overrides["dtype"] = dtype
+    if probe:
+        overrides["weight_sync_on_rollout"] = False
     engine = Engine(engine_config(task, rollout_backend=backend, **overrides))
     policy = GuardPolicy()
     engine.rollout()  # vLLM starts on the first rollout: not a step of the benchmark
@@ -77,7 +86,11 @@ def worker(conn, backend: str, task: str, drills: bool = False, dtype: str = "")
         phases = dict(result.phase_seconds)
         if engine.vllm is not None:  # the probe's share of vLLM's call, outside the step
             phases.update(probe_cost(engine, step_seed(engine.config.seed, engine.step)))
-            phases["weight_sync_diff"] = batch.weight_sync.max_abs_diff
+            # the whole check: the probe's, or the cache half and the rollout's largest
+            phases["weight_sync_diff"] = result.report.weight_sync_max_abs_logprob_diff
+            phases["weights_on"] = batch.weight_sync.weights
+            phases["rollout_max"] = result.report.mismatch_max  # None: the compute skipped
+            phases["outcome"] = result.outcome.name
             phases["weight_sync_cached_tokens"] = batch.weight_sync.cached_tokens
             phases["drill"] = ",".join(batch.injected_faults)
             phases["verdict"] = result.verdict.action.name
@@ -130,13 +143,19 @@ def main() -> None:
         "check's value on every step and whether the guard stopped the drill steps",
     )
     parser.add_argument("--dtype", default="", help="the trainer's and vLLM's dtype (float32)")
+    parser.add_argument(
+        "--probe-forward",
+        action="store_true",
+        help="weight_sync_on_rollout = false: the trainer scores the probe on every step",
+    )
     args = parser.parse_args()
     backends = args.backends.split(",")
     task = WORKLOADS[args.workload]
     if args.drills:
         return drills(backends, task, args)
     trace = run_lockstep(
-        {b: (worker, (b, task, False, args.dtype), {}) for b in backends}, args.steps
+        {b: (worker, (b, task, False, args.dtype, args.probe_forward), {}) for b in backends},
+        args.steps,
     )
     skip = args.skip  # the first steps warm caches on both sides
     out = {}
@@ -169,6 +188,7 @@ def main() -> None:
                 "weight_sync_fraction_of_step": round(sync / step, 4),
                 "check_fraction_of_step": round((trainer_check + probe) / step, 4),
                 "weight_sync_max_abs_diff_max": max(p["weight_sync_diff"] for p in phases),
+                "weights_compared_on": sorted({p["weights_on"] for p in phases}),
             }
         )
         key = name.replace("-", "_")
@@ -183,25 +203,41 @@ def main() -> None:
         ratios["ratio_step_server_over_colocated"] = round(
             out["vllm-server"]["median_s_per_step"] / out["vllm"]["median_s_per_step"], 3
         )
-    emit({"bench": "vllm_rollout", "workload": args.workload, "steps": args.steps, **out, **ratios})
+    emit(
+        {
+            "bench": "vllm_rollout",
+            "workload": args.workload,
+            "steps": args.steps,
+            "probe_forward": args.probe_forward,
+            **out,
+            **ratios,
+        }
+    )
 
 
 def drills(backends: list[str], task: str, args: argparse.Namespace) -> None:
     sides = [b for b in backends if b != "torch"]
     steps = max(args.steps, max(DRILL_STEPS.values()) + 2)
-    trace = run_lockstep({b: (worker, (b, task, True, args.dtype), {}) for b in sides}, steps)
+    job = (args.dtype, args.probe_forward)
+    trace = run_lockstep({b: (worker, (b, task, True, *job), {}) for b in sides}, steps)
     out = {}
     for name in sides:
         phases = trace[name]["phases"]
-        healthy = [p["weight_sync_diff"] for p in phases if not p["drill"]]
+        healthy = [p for p in phases if not p["drill"]]
+        rollout = [p["rollout_max"] for p in healthy if p["rollout_max"] is not None]
         out[name] = {
-            "healthy_max_abs_diff_max": max(healthy),
-            "healthy_verdicts": sorted({p["verdict"] for p in phases if not p["drill"]}),
+            "weights_compared_on": sorted({p["weights_on"] for p in phases}),
+            "healthy_max_abs_diff_max": max(p["weight_sync_diff"] for p in healthy),
+            "healthy_rollout_max": rollout and max(rollout),
+            "healthy_rollout_median": rollout and statistics.median(rollout),
+            "healthy_verdicts": sorted({p["verdict"] for p in healthy}),
             "drills": {
                 p["drill"]: {
                     "max_abs_diff": p["weight_sync_diff"],  # NaN: another token, or not finite
+                    "rollout_max": p["rollout_max"],
                     "cached_tokens": p["weight_sync_cached_tokens"],
                     "verdict": p["verdict"],
+                    "outcome": p["outcome"],  # FLUSHED: caught after the forward
                 }
                 for p in phases
                 if p["drill"]
@@ -212,6 +248,7 @@ def drills(backends: list[str], task: str, args: argparse.Namespace) -> None:
             "bench": "vllm_rollout_drills",
             "workload": args.workload,
             "dtype": args.dtype or "float32",
+            "probe_forward": args.probe_forward,
             "steps": steps,
             **out,
         }

@@ -49,8 +49,9 @@ REPORT_GAUGES = {
     ),
     "weight_sync_max_abs_logprob_diff": (
         "weight_sync_max_abs_logprob_diff",
-        "Largest |sampler - trainer| logprob (nats) of the weight-sync probe after the step's "
-        "push into vLLM (NaN: no separate sampler)",
+        "Largest |sampler - trainer| logprob (nats) of the weight-sync check after the step's "
+        "push into vLLM: the probe's, or its cache half and the rollout's own tokens on an "
+        "on-policy float32 step (NaN: no separate sampler)",
     ),
 }
 

@@ -288,6 +288,13 @@ class EngineConfig(ConfigSection):
         description="vllm: of the probe, the first tokens the trainer scores against vLLM's "
         "logprobs after every weight sync (the check's only trainer compute)",
     )
+    weight_sync_on_rollout: bool = Field(
+        True,
+        description="vllm: an on-policy float32 step (max_staleness 0, epochs 1) compares the "
+        "pushed weights on its own rollout in the training forward (its largest |vLLM - "
+        "trainer| logprob, decided before the update) instead of the trainer scoring the "
+        "probe; false = the probe, before any compute",
+    )
     device: str = Field(
         "cpu", pattern=r"^(cpu|cuda(:\d+)?|auto)$", description="cpu | cuda[:N] | auto"
     )

@@ -107,7 +107,8 @@ class StepReport:
     rank_reports: list[RankReport] = field(default_factory=list)  # recorded: every rank's
     # the weights the rollout sampled with (engine/weight_sync.py; from the batch)
     weight_version: int | None = None
-    weight_sync_max_abs_logprob_diff: float | None = None  # nats; None: no separate sampler
+    # nats, the whole check (both halves where the rollout has one); None: no separate sampler
+    weight_sync_max_abs_logprob_diff: float | None = None
     staleness: int | None = None  # max_staleness > 0: versions behind the policy (the batch's)
 
     SCALARS = (

@@ -18,8 +18,17 @@ Two comparisons, the largest absolute difference of either is the check:
   prompt logprobs. A few tokens suffice: a skipped, partial or corrupt push moves every
   position's logits, and the trainer's forward is the check's only compute on the trainer.
 
+An on-policy FP32 step compares the weights on its rollout instead (`weights = "rollout"`):
+the training forward scores every sampled token at the weights just pushed, so the largest
+|vLLM's logprob - the trainer's| over the step's tokens (the report's `mismatch_max`) is the
+same comparison over every sampled token (up to 768 at W4) instead of 16, at no forward of
+its own. The probe's trainer forward is then skipped, and the check's value holds the cache
+half alone until the guard reads the rollout's after the forward (a step is still decided
+before its update).
+
 The result, a `WeightSyncCheck`, travels with the step's batch (the guard `weight_sync`
-reads it before any compute, and replay sees the same numbers without a sampler).
+reads it before any compute, the rollout's half after the forward, and replay sees the same
+numbers without a sampler).
 """
 
 from __future__ import annotations
@@ -51,6 +60,24 @@ class WeightSyncCheck:
     # the sampler's parameters the push did not load (the backends that can tell: vLLM's
     # colocated sampler and grpod's own server; a snapshot-loading server says nothing)
     unloaded: tuple[str, ...] = ()
+    # where the weights are compared: "probe" (in `max_abs_diff`), or "rollout" (the step's
+    # own tokens in the training forward, the report's `mismatch_max`; `max_abs_diff` then
+    # holds the cache half alone)
+    weights: str = "probe"
+
+    @property
+    def on_rollout(self) -> bool:
+        """Whether the training forward of the step's rollout compares the weights."""
+        return self.weights == "rollout"
+
+    def with_rollout(self, mismatch_max: float | None) -> float:
+        """The whole check's value once the rollout's half is known: the larger of the two
+        halves (`mismatch_max`: the step's largest |sampler - trainer| logprob; None, no token
+        compared, and a non-finite half are NaN, never a pass). A probe check: its own."""
+        if not self.on_rollout:
+            return self.max_abs_diff
+        halves = (self.max_abs_diff, math.nan if mismatch_max is None else mismatch_max)
+        return max(halves) if all(math.isfinite(h) for h in halves) else math.nan
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -67,9 +94,16 @@ class WeightSyncCheck:
                 cached_tokens=int(data["cached_tokens"]),
                 dtype=str(data["dtype"]),
                 unloaded=tuple(str(name) for name in data.get("unloaded", ())),
+                weights=_weights(data.get("weights", "probe")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(f"weight_sync: {exc!r}") from None
+
+
+def _weights(value: object) -> str:
+    if value not in ("probe", "rollout"):
+        raise ValueError(f"weights {value!r}: not 'probe' or 'rollout'")
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -106,16 +140,18 @@ def probe_sequence(length: int, vocab_size: int, low: int = 0) -> list[int]:
 def compare(
     probe: list[int],
     scores: ProbeScores,
-    trainer: torch.Tensor,
+    trainer: torch.Tensor | None,
     *,
     version: int,
     dtype: str,
     unloaded: tuple[str, ...] = (),
 ) -> WeightSyncCheck:
     """The check from the sampler's `scores` and the trainer's logprobs of the probe's first
-    `len(trainer) + 1` tokens (`engine.model.head.sequence_logprobs`). Position p is token p
-    of the probe, then of the continuation after it."""
-    values = trainer.tolist()  # float32 to float: exact, so the differences are float64's
+    `len(trainer) + 1` tokens (`engine.model.head.sequence_logprobs`); `trainer` None: the
+    cache half alone, the weights compared on the step's rollout (`weights = "rollout"`).
+    Position p is token p of the probe, then of the continuation after it."""
+    # float32 to float: exact, so the differences are float64's
+    values = [] if trainer is None else trainer.tolist()
     scored = len(values)
     if scored > len(scores.prompt_logprobs) or len(scores.prompt_logprobs) != len(probe) - 1:
         raise EngineError(
@@ -140,6 +176,7 @@ def compare(
         cached_tokens=scores.cached_tokens,
         dtype=dtype,
         unloaded=unloaded,
+        weights="probe" if trainer is not None else "rollout",
     )
 
 

@@ -8,31 +8,38 @@ of older weights): at FLUSH or HALT its compute is skipped, so nothing is traine
 sampler that says it did not load some of its parameters (vLLM colocated, grpod's own
 server) fails the check whatever the probe reads: one stale matrix can move the probe less
 than bf16's rounding does.
+
+On an on-policy FP32 step the weights are compared on the rollout itself (the check's
+`weights = "rollout"`, engine/weight_sync.py): before the compute the guard reads the cache
+half, after the forward the step's largest |sampler - trainer| logprob (the report's
+`mismatch_max`) against the same limit, and the update is never applied above it.
 """
 
 from __future__ import annotations
 
 import math
 
-from grpod.engine import TransportBatch
+from grpod.engine import StepReport, TransportBatch
 from grpod.guards.base import Guard
 from grpod.guards.verdict import Action, Finding
 
 
 class WeightSyncGuard(Guard):
-    """Before any compute: the batch's weight-sync check against `max_nats_<dtype>`."""
+    """Before any compute: the batch's weight-sync check against `max_nats_<dtype>`; after
+    the forward, the rollout's half of a check that has one."""
 
     name = "weight_sync"
+
+    def _limit(self, dtype: str) -> float:
+        if dtype == "bfloat16":
+            return self.config.max_nats_bfloat16
+        return self.config.max_nats_float32
 
     def before(self, batch: TransportBatch) -> tuple[TransportBatch | None, list[Finding]]:
         check = batch.weight_sync
         if check is None:
             return batch, []
-        limit = (
-            self.config.max_nats_bfloat16
-            if check.dtype == "bfloat16"
-            else self.config.max_nats_float32
-        )
+        limit = self._limit(check.dtype)
         agrees = math.isfinite(check.max_abs_diff) and check.max_abs_diff <= limit
         if agrees and not check.unloaded:
             return batch, []
@@ -54,3 +61,24 @@ class WeightSyncGuard(Guard):
             unloaded_parameters=float(len(check.unloaded)),
         )
         return (None if self.action >= Action.FLUSH else batch), [finding]
+
+    def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
+        check = batch.weight_sync
+        if check is None or not check.on_rollout:
+            return []
+        limit, value = self._limit(check.dtype), report.mismatch_max
+        if value is not None and math.isfinite(value) and value <= limit:
+            return []
+        value = math.nan if value is None else value  # no token compared: never a pass
+        return [
+            self.finding(
+                f"weight sync: the sampler's rollout disagrees with the trainer (max |Δ| "
+                f"{value:.3g} nats over the step's {report.valid_tokens} tokens, weight "
+                f"version {check.version}; limit {limit:g})",
+                kind="rollout",
+                max_abs_logprob_diff=value,
+                weight_version=float(check.version),
+                threshold=limit,
+                tokens=float(report.valid_tokens),
+            )
+        ]

@@ -169,11 +169,11 @@ class Sampling:
         steps with a server) in flight on the background thread once pushed and checked."""
         version = self.weight_version()
         if not self.background:
-            rollout = self._sample_now(prompts, seed, None, step)
+            rollout = self._sample_now(prompts, seed, None, step, trained=True)
             return Pending.done(rollout, version, self.weight_sync)
         self.drain()  # a push must not land under a rollout in flight
         self._refresh_copy()
-        check = self._push_and_check(step, seed)
+        check = self._push_and_check(step, seed, on_rollout=False)
         settings = self._settings(None, seed)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead")
@@ -212,11 +212,18 @@ class Sampling:
         return out, completions, texts
 
     def _sample_now(
-        self, prompts: list[list[int]], seed: int, temperature: float | None, step: int | None
+        self,
+        prompts: list[list[int]],
+        seed: int,
+        temperature: float | None,
+        step: int | None,
+        trained: bool = False,
     ) -> Rollout:
+        """`trained`: the rollout is trained on now, at the weights it samples with."""
         self._refresh_copy()
+        on_rollout = trained and self.weights_on_rollout
         if self.node_server:  # pushed and checked once for the node; every rank samples
-            self.weight_sync = self._push_and_check(step, seed)
+            self.weight_sync = self._push_and_check(step, seed, on_rollout)
             try:
                 rollout, failure = self._sample(prompts, seed, temperature, probe=False), None
             except SamplerError as exc:
@@ -227,33 +234,46 @@ class Sampling:
             return rollout
         if self.config.rollout_backend in VLLM_BACKENDS:
             self._push_to_sampler(step)
-        return self._sample(prompts, seed, temperature)
+        return self._sample(prompts, seed, temperature, on_rollout=on_rollout)
+
+    @property
+    def weights_on_rollout(self) -> bool:
+        """Whether an on-policy step's training forward compares the pushed weights on its
+        rollout (the probe's trainer forward skipped; `weight_sync_on_rollout`): FP32, one
+        epoch a generation (a later epoch's forward compares nothing), no rollout sampled
+        ahead. In FP32 the two agree to rounding on every token (W4: at most 7.0e-5 nats over
+        a step's up to 768), so the rollout's largest difference tests what the probe's 16 tokens
+        did; in bf16 the largest of a step's rounding differences is not calibrated (the
+        probe's 16 are)."""
+        cfg = self.config
+        on_policy = cfg.epochs == 1 and cfg.max_staleness == 0
+        return cfg.weight_sync_on_rollout and cfg.dtype == "float32" and on_policy
 
     def _refresh_copy(self) -> None:
         if self.parallel.sharded:  # the rollout copy takes the shards' current weights
             with self.clock.timed("sync"):
                 self.parallel.sync_rollout_copy(self.model, self.rollout_model)
 
-    def _push_and_check(self, step: int | None, seed: int) -> WeightSyncCheck:
+    def _push_and_check(self, step: int | None, seed: int, on_rollout: bool) -> WeightSyncCheck:
         """Push the weights, then have the sampler score the weight-sync probe on its own and
-        check it (the rollout follows). A node's server: once every rank's rollouts on it
-        have ended, local rank 0 pushes and checks, and every rank of the node takes that
-        check (or that failure)."""
+        check it (the rollout follows; `on_rollout`: its training forward compares the
+        weights). A node's server: once every rank's rollouts on it have ended, local rank 0
+        pushes and checks, and every rank of the node takes that check (or that failure)."""
         self.start()
         if not self.node_server:
             self._push_to_sampler(step)
-            return self._probe_check(seed)
+            return self._probe_check(seed, on_rollout)
         self.parallel.barrier()  # no rank of the node has a request in flight
 
         def push_and_check() -> WeightSyncCheck:
             self._push_to_sampler(step)
-            return self._probe_check(seed)
+            return self._probe_check(seed, on_rollout)
 
         return on_node_leader(self.parallel, push_and_check)
 
-    def _probe_check(self, seed: int) -> WeightSyncCheck:
+    def _probe_check(self, seed: int, on_rollout: bool) -> WeightSyncCheck:
         _, scores = self.vllm.sample([], self._settings(None, seed), probe=self.probe)
-        return self._check_sampler(scores)
+        return self._check_sampler(scores, None if on_rollout else self._score_probe())
 
     def _agree(self, failure: BaseException | None) -> None:
         """A node's server: whether every rank sampled its part of the step (one MAX
@@ -276,19 +296,28 @@ class Sampling:
         )
 
     def _sample(
-        self, prompts: list[list[int]], seed: int, temperature: float | None, probe: bool = True
+        self,
+        prompts: list[list[int]],
+        seed: int,
+        temperature: float | None,
+        probe: bool = True,
+        on_rollout: bool = False,
     ) -> Rollout:
         """Completions from the configured backend: the torch sampler, or vLLM (whose call
         also scores the weight-sync probe, unless checked apart; its check is the
-        `sync_check` phase)."""
+        `sync_check` phase). `on_rollout`: the rollout's training forward compares the
+        weights, so the trainer scores no probe."""
         settings = self._settings(temperature, seed)
         if self.vllm is not None and not probe:  # pushed and checked by `_push_and_check`
             return self.vllm.sample(prompts, settings)[0]
         if self.vllm is not None:  # pushed by `_push_to_sampler`
             scored: list[torch.Tensor] = []  # the trainer's side, beside the sampling if it can
-            beside = (lambda: scored.append(self._score_probe())) if self._check_beside() else None
+            beside = None
+            if not on_rollout and self._check_beside():
+                beside = lambda: scored.append(self._score_probe())  # noqa: E731
             rollout, scores = self.vllm.sample(prompts, settings, probe=self.probe, beside=beside)
-            self.weight_sync = self._check_sampler(scores, scored[0] if scored else None)
+            trainer = None if on_rollout else (scored[0] if scored else self._score_probe())
+            self.weight_sync = self._check_sampler(scores, trainer)
             return rollout
         return self.torch_sampler.sample(prompts, settings)[0]
 
@@ -359,13 +388,10 @@ class Sampling:
                 self.device,
             )
 
-    def _check_sampler(
-        self, scores: ProbeScores, trainer: torch.Tensor | None = None
-    ) -> WeightSyncCheck:
+    def _check_sampler(self, scores: ProbeScores, trainer: torch.Tensor | None) -> WeightSyncCheck:
         """vLLM's logprobs of the probe (and its continuation) against the trainer's
-        (`trainer`: already scored beside the sampling; None: scored now)."""
-        if trainer is None:
-            trainer = self._score_probe()
+        (`trainer`: its logprobs of the probe; None: the weights are compared on the rollout,
+        the cache half alone here)."""
         with self.clock.timed("sync_check"):
             return compare(
                 self.probe,

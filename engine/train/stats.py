@@ -85,6 +85,11 @@ def build_report(batch: TransportBatch, stats: StepStats, totals: StepTotals) ->
     (`stats`) and what the step measured after them (`totals`)."""
     loss_sums = [float(x) for x in stats.micro_loss_sums]
     scale, grad_norm = totals.token_scale, totals.grad_norm
+    tokens, of_batch = _token_stats(stats), _batch_stats(batch)
+    if batch.weight_sync is not None:  # the rollout's half of the check, where it has one
+        of_batch["weight_sync_max_abs_logprob_diff"] = batch.weight_sync.with_rollout(
+            tokens["mismatch_max"]
+        )
     return StepReport(
         step=batch.step,
         valid_tokens=stats.valid_tokens,
@@ -104,8 +109,8 @@ def build_report(batch: TransportBatch, stats: StepStats, totals: StepTotals) ->
             ChunkTrace(m, c, int(n), float(loss), int(after))
             for m, c, n, loss, after in stats.trace
         ],
-        **_token_stats(stats),
-        **_batch_stats(batch),
+        **tokens,
+        **of_batch,
     )
 
 

@@ -73,3 +73,20 @@ def test_scores_of_another_length_are_refused() -> None:
         check([-1.0], prompt_logprobs=[-1.0, -2.0, -0.5])
     with pytest.raises(EngineError, match="continuations of 3 and 2 tokens"):
         check([-1.0], fresh_continuation=[2, 2])
+
+
+def test_without_the_trainers_probe_the_check_is_the_cache_half_and_the_rollout_decides() -> None:
+    got = compare(PROBE, scores(), None, version=3, dtype="float32")
+    assert got.on_rollout and got.weights == "rollout"
+    assert got.max_abs_diff == 0.25 and got.position == len(PROBE) + 1 and got.tokens == 3
+    assert got.with_rollout(1e-4) == 0.25 and got.with_rollout(0.5) == 0.5
+    assert math.isnan(got.with_rollout(None)) and math.isnan(got.with_rollout(math.inf))
+    probe = check([-1.0, -2.5, -0.5])
+    assert not probe.on_rollout and probe.with_rollout(9.0) == probe.max_abs_diff
+    assert type(got).from_json(got.to_json()) == got
+
+
+def test_a_recorded_check_of_another_weights_route_is_refused() -> None:
+    text = check([-1.0]).to_json().replace('"probe"', '"trainer"')
+    with pytest.raises(EngineError, match="weights 'trainer'"):
+        type(check([-1.0])).from_json(text)

@@ -11,7 +11,7 @@ from grpod.engine.weight_sync import WeightSyncCheck
 from grpod.guards.config import GuardsConfig
 from grpod.guards.policy import GuardPolicy
 from grpod.guards.verdict import Action
-from tests.guards.helpers import batch
+from tests.guards.helpers import batch, report
 
 CHECK = WeightSyncCheck(
     version=4, max_abs_diff=5e-7, position=9, tokens=23, cached_tokens=0, dtype="float32"
@@ -79,3 +79,40 @@ def test_the_unloaded_parameters_travel_with_the_check() -> None:
     recorded_before = '{"version": 4, "max_abs_diff": 5e-07, "position": 9, "tokens": 23, '
     old = recorded_before + '"cached_tokens": 0, "dtype": "float32"}'
     assert WeightSyncCheck.from_json(old) == CHECK  # a batch recorded before the field
+
+
+def after(check: WeightSyncCheck | None, mismatch_max: float | None, **section: object):
+    policy = GuardPolicy(GuardsConfig.model_validate({"weight_sync": section}))
+    run = replace(batch(), weight_sync=check)
+    return [
+        f
+        for f in policy.after(run, report(mismatch_max=mismatch_max, valid_tokens=960))
+        if f.guard == "weight_sync"
+    ]
+
+
+ON_ROLLOUT = replace(CHECK, weights="rollout", tokens=8, position=41)
+
+
+def test_a_rollout_compared_check_is_decided_after_the_forward() -> None:
+    # before the compute: only its cache half is read (the weights are not compared yet)
+    assert before(ON_ROLLOUT)[1] == [] and before(ON_ROLLOUT)[2] is False
+    # W4's healthy steps read 7.0e-5 at most over up to 768 tokens; the limit is the probe's
+    assert after(ON_ROLLOUT, 1.2e-4) == [] and after(ON_ROLLOUT, 1e-3) == []
+    assert after(CHECK, 5.0) == []  # a probe check is decided before the compute alone
+    assert after(None, 5.0) == []
+    (finding,) = after(ON_ROLLOUT, 0.064)  # W4's skipped push, one update behind
+    assert finding.action == Action.HALT and finding.kind == "rollout"
+    assert finding.message == (
+        "weight sync: the sampler's rollout disagrees with the trainer (max |Δ| 0.064 nats "
+        "over the step's 960 tokens, weight version 4; limit 0.001)"
+    )
+    assert finding.evidence["max_abs_logprob_diff"] == 0.064
+    assert finding.evidence["tokens"] == 960.0
+    for missing in (None, math.nan, math.inf):  # no token compared, or not finite: never a pass
+        (finding,) = after(ON_ROLLOUT, missing)
+        assert math.isnan(finding.evidence["max_abs_logprob_diff"]) or missing == math.inf
+    assert after(ON_ROLLOUT, 0.064, action="WARN")[0].action == Action.WARN
+    assert after(ON_ROLLOUT, 0.064, enabled=False) == []
+    bf16 = replace(ON_ROLLOUT, dtype="bfloat16")  # not routed so by the engine; its own limit
+    assert after(bf16, 0.02) == [] and after(bf16, 0.04) != []

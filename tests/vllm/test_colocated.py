@@ -64,7 +64,7 @@ def test_a_colocated_campaign_samples_from_the_policy_being_trained(tmp_path: Pa
         check = batch.weight_sync
         assert batch.weight_version == step and check is not None and check.version == step
         assert check.max_abs_diff <= FLOAT32_LIMIT, check
-        assert check.tokens == 15 + 4  # 16 scored probe tokens after the first, 4 continued
+        assert check.on_rollout and check.tokens == 4  # 4 continued: the cache half alone
         if step == 1:
             engine.save_checkpoint(tmp_path / "before-1")
             batch.save(tmp_path / "batch-1.safetensors")
@@ -72,7 +72,10 @@ def test_a_colocated_campaign_samples_from_the_policy_being_trained(tmp_path: Pa
         assert result.outcome == Outcome.APPLIED, result.verdict
         assert result.report.mismatch_p99 is not None
         assert result.report.mismatch_p99 <= FLOAT32_LIMIT  # vLLM's processed logprobs
-        assert result.report.weight_sync_max_abs_logprob_diff == check.max_abs_diff
+        # the weights half: the rollout's largest difference, from the training forward
+        mismatch = result.report.mismatch_max
+        assert mismatch is not None and mismatch <= FLOAT32_LIMIT
+        assert result.report.weight_sync_max_abs_logprob_diff == max(check.max_abs_diff, mismatch)
         assert result.phase_seconds["sync"] > 0.0 and result.phase_seconds["sync_check"] > 0.0
         batches.append(batch)
         if step == 1:
@@ -81,10 +84,13 @@ def test_a_colocated_campaign_samples_from_the_policy_being_trained(tmp_path: Pa
 
     # the prefix cache after a sync: long prompts sampled, an update, the same prompts again
     assert max(sampler_vs_trainer(engine, prompts)) <= FLOAT32_LIMIT  # caches them at v3
-    decide_step(engine, policy, replace(batches[0], step=engine.step))  # v4, no push between
+    # an update without a push between: an old batch again, its check dropped (its rollout's
+    # logprobs are of v0 and v1, which the weights half would compare with v3 and v4)
+    update = lambda b: decide_step(engine, policy, replace(b, step=engine.step, weight_sync=None))  # noqa: E731
+    assert update(batches[0]).outcome == Outcome.APPLIED  # v4
     after_sync = sampler_vs_trainer(engine, prompts)  # push v4, cache reset
     assert max(after_sync) <= FLOAT32_LIMIT, after_sync  # old KV blocks would serve them
-    decide_step(engine, policy, replace(batches[1], step=engine.step))  # v5
+    assert update(batches[1]).outcome == Outcome.APPLIED  # v5
     stale = sampler_vs_trainer(engine, prompts, step=STALE)  # push v5, the cache kept
     assert min(stale[:2]) > 1e-3 and min(stale[2:]) > 1e-3, stale  # system and repeated
 
@@ -98,17 +104,21 @@ def test_a_colocated_campaign_samples_from_the_policy_being_trained(tmp_path: Pa
     assert replayer.state_digest() == digest_after_1
 
 
-@pytest.mark.parametrize("backend", ["vllm", "vllm-server"])
-def test_each_weight_sync_drill_is_caught_on_its_first_step(backend: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "on_rollout"), [("vllm", True), ("vllm-server", True), ("vllm", False)]
+)
+def test_each_weight_sync_drill_is_caught_on_its_first_step(backend: str, on_rollout: bool) -> None:
     """Colocated, and on grpod's own server, whose pushes read the parameters where they are
     trained (a shared region in /dev/shm): the skip drill there shows vLLM kept its own copy
-    of the last push, not a view of the region the trainer went on updating."""
+    of the last push, not a view of the region the trainer went on updating. The weights
+    compared on the step's rollout (the default), and on the probe (colocated)."""
     drills = {2: "sync-skip", 4: "sync-stale-cache", 6: "sync-corrupt", 8: "sync-partial"}
     engine = Engine(
         vllm_config(
             rollout_backend=backend,
             max_new_tokens=2,
             seq_len=16,
+            weight_sync_on_rollout=on_rollout,
             faults={
                 "weight_sync_skip_steps": [2],
                 "weight_sync_stale_cache_steps": [4],
@@ -120,6 +130,7 @@ def test_each_weight_sync_drill_is_caught_on_its_first_step(backend: str) -> Non
     policy = GuardPolicy()  # weight_sync's default action: HALT
     try:
         drill_steps(engine, policy, drills)
+        assert engine.sampling.weights_on_rollout is on_rollout
         if backend == "vllm-server":  # the parameters were adopted by the first push
             region = engine.vllm.sync_dir / "parameters.region"
             cover = engine.flat_weights
@@ -145,14 +156,20 @@ def drill_steps(engine: Engine, policy: GuardPolicy, drills: dict[int, str]) -> 
             assert result.outcome == Outcome.APPLIED
             continue
         assert batch.injected_faults == (drills[step],)
-        assert not check.max_abs_diff <= 1e-3, (step, check)  # NaN counts as caught
-        assert result.outcome == Outcome.SKIPPED and result.verdict.action == Action.HALT
+        value = result.report.weight_sync_max_abs_logprob_diff  # both halves, where both ran
+        if not (check.on_rollout and drills[step] == "sync-partial"):  # (vLLM's word decides
+            assert not value <= 1e-3, (step, check, value)  # it before any forward) NaN: caught
+        # on the rollout, a skipped or corrupt push is caught after the forward; the cache
+        # half and a parameter vLLM says it kept, before it
+        after = check.on_rollout and drills[step] in ("sync-skip", "sync-corrupt")
+        outcome = Outcome.FLUSHED if after else Outcome.SKIPPED
+        assert result.outcome == outcome and result.verdict.action == Action.HALT, step
         (finding,) = [f for f in result.verdict.findings if f.guard == "weight_sync"]
-        said = "disagrees with the trainer"
+        said = "'s rollout disagrees with the trainer" if after else " disagrees with the trainer"
         if drills[step] == "sync-partial":  # vLLM says which parameter kept its old values
-            said = "did not load 1 of its parameters (model.layers."
+            said = " did not load 1 of its parameters (model.layers."
             assert len(check.unloaded) == 1
-        assert finding.message.startswith(f"weight sync: the sampler {said}")
+        assert finding.message.startswith(f"weight sync: the sampler{said}"), finding.message
         assert engine.state_digest() == before  # weights, AdamW state and schedule untouched
         assert engine.weight_version == batch.weight_version
         if drills[step] == "sync-stale-cache":  # the probe's blocks from the last step served

@@ -27,13 +27,16 @@ import torch
 from grpod.engine import Engine, EngineError
 from grpod.engine.errors import SamplerError
 from grpod.engine.grpo.preflight import preflight
+from grpod.engine.grpo.step import decide_step
 from grpod.engine.model.head import sequence_logprobs
 from grpod.engine.rollout.rollout_server import ServerSampler, server_argv
 from grpod.engine.rollout.rollout_vllm import ServedModel
 from grpod.engine.rollout.sampler import SamplingSettings
 from grpod.engine.rollout.shared_weights import RPC_METHOD, SharedWeightsWorker, reload_attested
 from grpod.engine.rollout.vllm_server import ServerClient, ServerProcess, free_port, server_env
-from grpod.engine.weight_sync import PushFaults
+from grpod.engine.verdict import Action, Outcome
+from grpod.engine.weight_sync import CONTINUATION_TOKENS, PushFaults
+from grpod.guards import GuardPolicy
 from tests.engine.helpers import config
 
 TIMEOUT = 0.5  # seconds: the client's limit; the silent stand-in never answers at all
@@ -432,7 +435,7 @@ def test_each_check_holds_the_sampler_to_the_weights_of_its_own_push(
     """The trainer's side of the check is of the weights its step pushed: after the weights
     change the check measures the new ones (|-1.5 - their logprobs|), never the last push's."""
     server = stand_in(finite)
-    engine = Engine(server_config(server.url, tmp_path))
+    engine = Engine(server_config(server.url, tmp_path, weight_sync_on_rollout=False))
     sampling = engine.sampling
 
     def expected() -> float:
@@ -447,6 +450,49 @@ def test_each_check_holds_the_sampler_to_the_weights_of_its_own_push(
     second = engine.rollout()
     assert second.weight_sync.max_abs_diff == expected()
     assert second.weight_sync.max_abs_diff != first.weight_sync.max_abs_diff
+
+
+def test_an_on_policy_float32_step_compares_the_weights_on_its_own_rollout(
+    stand_in, tmp_path: Path
+) -> None:
+    """By default an on-policy FP32 step's training forward compares the weights: the trainer
+    scores no probe, the check holds the cache half, and the stand-in's made-up logprobs
+    (-1.0 for every sampled token) are caught after the forward, the policy untouched."""
+    server = stand_in(finite)
+    engine = Engine(server_config(server.url, tmp_path))
+    calls = []
+    score = engine.sampling._score_probe
+    engine.sampling._score_probe = lambda: calls.append(1) or score()
+    batch = engine.rollout()
+    check = batch.weight_sync
+    assert calls == [] and check is not None and check.on_rollout
+    continued = min(CONTINUATION_TOKENS, engine.config.max_new_tokens)
+    assert check.max_abs_diff == 0.0 and check.tokens == continued  # the cache half alone
+    before = engine.state_digest()
+    result = decide_step(engine, GuardPolicy(), batch)
+    assert result.outcome == Outcome.FLUSHED and result.verdict.action == Action.HALT
+    (finding,) = [f for f in result.verdict.findings if f.guard == "weight_sync"]
+    assert finding.message.startswith("weight sync: the sampler's rollout disagrees"), finding
+    mismatch = result.report.mismatch_max
+    assert mismatch is not None and mismatch > 0.1  # no real model gives -1.0 to every token
+    assert finding.evidence["max_abs_logprob_diff"] == mismatch
+    assert result.report.weight_sync_max_abs_logprob_diff == mismatch  # the larger half
+    assert engine.state_digest() == before
+    engine.close()
+
+
+def test_only_an_on_policy_float32_step_compares_the_weights_on_its_rollout() -> None:
+    """A stale rollout differs from the policy by design, a later epoch's forward compares
+    nothing, and bf16's rounding over a whole rollout is not calibrated: the probe decides."""
+
+    def on_rollout(**overrides: Any) -> bool:
+        return Engine(config(**overrides)).sampling.weights_on_rollout
+
+    assert on_rollout() is True
+    assert on_rollout(weight_sync_on_rollout=False) is False
+    assert on_rollout(dtype="bfloat16") is False
+    assert on_rollout(max_staleness=1, tis_cap=2.0) is False
+    assert on_rollout(epochs=2) is False
 
 
 def test_the_check_scores_while_the_server_samples_on_cores_of_its_own(
@@ -466,7 +512,10 @@ def test_the_check_scores_while_the_server_samples_on_cores_of_its_own(
         return finite(route, body)
 
     server = stand_in(rollout_waits_for_the_check)
-    patient = {"vllm_server_timeout_seconds": 120.0}  # the held answers: never a timeout
+    patient = {  # the held answers: never a timeout; the probe's trainer forward
+        "vllm_server_timeout_seconds": 120.0,
+        "weight_sync_on_rollout": False,
+    }
     engine = Engine(server_config(server.url, tmp_path).model_copy(update=patient))
     score = engine.sampling._score_probe
 
