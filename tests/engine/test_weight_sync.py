@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpod.engine.errors import EngineError
-from grpod.engine.weight_sync import ProbeScores, compare
+from grpod.engine.weight_sync import ProbeScores, WeightSyncCheck, compare
 
 PROBE = [7, 3, 9, 4, 1]  # 4 prompt logprobs: tokens 1..4
 
@@ -83,10 +83,10 @@ def test_without_the_trainers_probe_the_check_is_the_cache_half_and_the_rollout_
     assert math.isnan(got.with_rollout(None)) and math.isnan(got.with_rollout(math.inf))
     probe = check([-1.0, -2.5, -0.5])
     assert not probe.on_rollout and probe.with_rollout(9.0) == probe.max_abs_diff
-    assert type(got).from_json(got.to_json()) == got
+    assert WeightSyncCheck.from_json(got.to_json()) == got
 
 
 def test_a_recorded_check_of_another_weights_route_is_refused() -> None:
     text = check([-1.0]).to_json().replace('"probe"', '"trainer"')
     with pytest.raises(EngineError, match="weights 'trainer'"):
-        type(check([-1.0])).from_json(text)
+        WeightSyncCheck.from_json(text)
