@@ -468,6 +468,9 @@ def test_an_on_policy_float32_step_compares_the_weights_on_its_own_rollout(
     assert calls == [] and check is not None and check.on_rollout
     continued = min(CONTINUATION_TOKENS, engine.config.max_new_tokens)
     assert check.max_abs_diff == 0.0 and check.tokens == continued  # the cache half alone
+    # a node's server (torchrun) checks apart, before its ranks sample: the same route
+    alone = engine.sampling._probe_check(seed=3, on_rollout=True)
+    assert calls == [] and alone.on_rollout and alone.max_abs_diff == 0.0
     before = engine.state_digest()
     result = decide_step(engine, GuardPolicy(), batch)
     assert result.outcome == Outcome.FLUSHED and result.verdict.action == Action.HALT
