@@ -206,7 +206,21 @@ def gc(
 
 
 def _unbacked_steps(store: Store, session: Any) -> list[str]:
-    """Steps from the retention start on whose batch has no blob row (gc never deletes those)."""
+    """Steps from the retention start on whose batch has no blob row (gc never deletes those).
+    Found ones are read again in a session of their own: a live run's retention may have
+    committed a new checkpoint's start, and pruned the batches before it, between the
+    checkpoints read and the steps (each statement sees the latest commit)."""
+    start, orphans = _orphans(store, session)
+    if orphans:
+        with store.session() as fresh:
+            start, orphans = _orphans(store, fresh)
+    if not orphans:
+        return []
+    return [f"{len(orphans)} steps from step {start} on name a missing batch (first: {orphans[0]})"]
+
+
+def _orphans(store: Store, session: Any) -> tuple[int, list[int]]:
+    """The retention start and the steps from it on whose batch has no blob row."""
     start = retention_start(store.checkpoints(session))
     orphans = session.scalars(
         select(Step.step)
@@ -217,9 +231,7 @@ def _unbacked_steps(store: Store, session: Any) -> list[str]:
         )
         .order_by(Step.step)
     ).all()
-    if not orphans:
-        return []
-    return [f"{len(orphans)} steps from step {start} on name a missing batch (first: {orphans[0]})"]
+    return start, list(orphans)
 
 
 def _counts(blobs: BlobStore, digest: str, data: bytes | None = None) -> tuple[int, int]:

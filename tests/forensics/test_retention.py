@@ -7,11 +7,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import delete, select, text
 
 from grpod.daemon.cli import main
 from grpod.engine import TransportBatch
 from grpod.forensics import ForensicsError, Store, fsck, gc, replay
+from grpod.forensics.models import Blob, Step
 from tests.forensics.campaign import stand_in_run_json
 from tests.forensics.conftest import FAULT_STEP, blob_rows, damage_blob
 
@@ -68,6 +69,36 @@ def test_gc_keeps_the_newest_checkpoints_and_the_pinned_ones(run_copy: Path) -> 
     assert after == [name for name in before if name != "step-00000000"]
     assert kept.freed_bytes > 0 and fsck(run_copy).ok
     assert replay(run_copy, incident_id=1).reproduced
+
+
+def test_fsck_names_a_step_whose_batch_is_gone_not_one_a_live_gc_just_pruned(
+    run_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live run's retention can commit between fsck's read of the checkpoints and its read
+    of the steps: the old start with the batches before the new one gone is read again, not
+    reported. A batch gone from the retention start on is."""
+    checkpoints, pruned = Store.checkpoints, []
+
+    def read_then_the_live_run_prunes(self, session, **kwargs):
+        rows = checkpoints(self, session, **kwargs)
+        if not pruned:  # the live run's retention, right after fsck read the checkpoints
+            pruned.append(None)  # (gc reads the checkpoints too)
+            pruned[0] = gc(run_copy, budget_bytes=1 << 40, keep_checkpoints=1)
+        return rows
+
+    monkeypatch.setattr(Store, "checkpoints", read_then_the_live_run_prunes)
+    report = fsck(run_copy)
+    assert pruned[0].checkpoints_deleted == [0] and pruned[0].blobs_deleted > 0
+    assert report.ok, report.problems
+    monkeypatch.undo()
+
+    store = Store(run_copy, create=False)
+    with store.session() as session:  # step 12's batch row gone (a damaged store)
+        digest = session.scalar(select(Step.batch_digest).where(Step.step == 12))
+        session.execute(delete(Blob).where(Blob.sha256 == digest))
+        session.commit()
+    store.close()
+    assert "1 steps from step 10 on name a missing batch (first: 12)" in fsck(run_copy).problems
 
 
 def test_a_pinned_checkpoint_in_the_window_keeps_the_steps_after_it(run_copy: Path) -> None:
