@@ -96,7 +96,9 @@ def worker(
             phases["verdict"] = result.verdict.action.name
         tokens = int(batch.completion_lengths.sum())
         conn.send(("step", seconds, result.report.reward_mean, tokens, phases))
-    conn.send(("done", peak_rss_mib(), None))
+    peak = peak_rss_mib()
+    engine.close()  # a server's sync directory in /dev/shm goes with it
+    conn.send(("done", peak, None))
 
 
 def probe_cost(engine, seed: int) -> dict[str, float]:
