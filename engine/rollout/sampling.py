@@ -242,9 +242,9 @@ class Sampling:
         rollout (the probe's trainer forward skipped; `weight_sync_on_rollout`): FP32, one
         epoch a generation (a later epoch's forward compares nothing), no rollout sampled
         ahead. In FP32 the two agree to rounding on every token (W4: at most 7.0e-5 nats over
-        a step's up to 768), so the rollout's largest difference tests what the probe's 16 tokens
-        did; in bf16 the largest of a step's rounding differences is not calibrated (the
-        probe's 16 are)."""
+        a step's up to 768), so the rollout's largest difference tests what the probe's 16
+        tokens did; in bf16 the largest of a step's rounding differences is not calibrated
+        (the probe's 16 are)."""
         cfg = self.config
         on_policy = cfg.epochs == 1 and cfg.max_staleness == 0
         return cfg.weight_sync_on_rollout and cfg.dtype == "float32" and on_policy
