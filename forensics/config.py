@@ -53,6 +53,12 @@ class AttributionConfig(ConfigSection):
 
     threads: int = Field(1, ge=1, description="torch threads of the attribution process")
     nice: int = Field(19, ge=0, le=19, description="niceness of the attribution process")
+    idle: bool = Field(
+        True,
+        description="Linux: also the SCHED_IDLE class, below every niceness: the child runs "
+        "only on a core no other process wants, and a waking trainer thread preempts it at "
+        "once. false = nice alone, for a machine whose other busy work would starve it",
+    )
     device: str = Field(
         "",
         pattern=r"^(|cpu|cuda(:\d+)?)$",

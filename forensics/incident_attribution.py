@@ -9,7 +9,7 @@ samples (forensics/attribution.py) off the training path, stored with the incide
 
 `submit` only queues (the recorder's writer calls it after an incident's commit). One worker
 thread runs the queue one incident at a time, each in a child process
-(`python -m grpod.forensics.incident_attribution`: niced and SCHED_IDLE on Linux,
+(`python -m grpod.forensics.incident_attribution`: niced, and SCHED_IDLE on Linux,
 `[forensics.attribution] threads` torch threads, paced to `run_fraction` of a core
 (forensics/pace.py), the torchrun environment removed) that rebuilds the step from the
 store and prints its attribution as one JSON line; the worker
@@ -171,6 +171,7 @@ def child_command(
     command = [sys.executable, "-m", MODULE, "--run-dir", str(run_dir)]
     command += ["--incident", str(incident_id), "--threads", str(config.threads)]
     command += ["--nice", str(config.nice), "--run-fraction", str(config.pace(run_device))]
+    command += ["--idle"] if config.idle else []
     command += ["--device", config.device] if config.device else []
     return command + (["--store-url", store_url] if store_url else [])
 
@@ -390,6 +391,14 @@ def _orphaned(parent: int) -> None:
             os._exit(1)
 
 
+def _idle_class() -> bool:
+    """Whether this process runs in Linux's SCHED_IDLE class (stored with the attribution)."""
+    try:
+        return os.sched_getscheduler(0) == os.SCHED_IDLE
+    except (AttributeError, OSError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """The child: attribute one incident, print `StepAttribution.to_dict()` as one JSON line
     (exit 0); bad input: one line on stderr, exit 2; anything else: exit 1."""
@@ -400,14 +409,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-url", default="")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--nice", type=int, default=19)
+    parser.add_argument("--idle", action="store_true", help="Linux: the SCHED_IDLE class")
     parser.add_argument("--device", default="")
     parser.add_argument("--run-fraction", type=float, default=1.0)
     args = parser.parse_args(argv)
     with contextlib.suppress(OSError):
         os.nice(args.nice)
-    with contextlib.suppress(AttributeError, OSError):  # Linux: runs only on an idle core,
-        # and a waking trainer thread preempts it at once (nice alone waits for its slice)
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    if args.idle:
+        with contextlib.suppress(AttributeError, OSError):  # Linux: runs only on an idle core,
+            # and a waking trainer thread preempts it at once (nice alone waits for its slice)
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
     import torch
 
@@ -434,7 +445,15 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         print(f"{type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
         return 1
-    print(json.dumps({**result.to_dict(), "paced_seconds": round(pace.slept_seconds, 3)}))
+    print(
+        json.dumps(
+            {
+                **result.to_dict(),
+                "paced_seconds": round(pace.slept_seconds, 3),
+                "idle_class": _idle_class(),
+            }
+        )
+    )
     return 0
 
 

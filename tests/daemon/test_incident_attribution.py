@@ -36,8 +36,8 @@ def test_a_poisoned_step_s_incident_names_the_sample(tmp_path: Path, kind: str) 
         {
             "engine": {**TINY, "faults": faults},
             "guards.clip": {"window": 1, "baseline_steps": 1, "fraction_max": 0.0},
-            # nice 0: a nice-19 child beside the suite's other busy processes starves
-            "forensics.attribution": {"shutdown_wait_seconds": 600, "nice": 0},
+            # nice 0, not idle: a nice-19 or idle child beside the suite's busy processes starves
+            "forensics.attribution": {"shutdown_wait_seconds": 600, "nice": 0, "idle": False},
             "daemon": {
                 "metrics": False,
                 "log_format": "json",

@@ -219,10 +219,13 @@ def test_the_real_child_attributes_a_recorded_incident(run: Path) -> None:
     assert command[1:3] == ["-m", "grpod.forensics.incident_attribution"]
     assert "--device" not in command  # the run's device
     assert command[command.index("--nice") + 1] == "19"  # below the trainer by default
+    assert "--idle" in command  # and the idle class, below every niceness
+    assert "--idle" not in child_command(run, 1, AttributionConfig(idle=False))
     assert child_command(run, 1, AttributionConfig(device="cpu"))[-2:] == ["--device", "cpu"]
-    # the CPU's pace: unpaced (pacing: the Clocks tests); nice 0: at 19 the suite's other busy
-    # processes starve it
-    worker = IncidentAttributor(run, AttributionConfig(nice=0))
+    # the CPU's pace: unpaced (pacing: the Clocks tests); nice 0 and not idle: either lets the
+    # suite's other busy processes starve it (beside two busy processes, this test ran out of
+    # 300 s that it needs 5 s for, nice 0 and idle)
+    worker = IncidentAttributor(run, AttributionConfig(nice=0, idle=False))
     worker.submit(1, FAULT_STEP, 16)
     assert worker.wait_idle(300)
     worker.close()
@@ -232,6 +235,7 @@ def test_the_real_child_attributes_a_recorded_incident(run: Path) -> None:
     assert shown["samples"][0]["index"] == shown["nonfinite"]["sample"]
     assert {"index", "prompt_id", "share"} <= set(shown["samples"][0])
     assert shown["attribution"]["paced_seconds"] == 0
+    assert shown["attribution"]["idle_class"] is False  # as configured
 
 
 def burn(seconds: float, pace: Pace | None = None) -> None:
