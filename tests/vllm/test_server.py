@@ -27,7 +27,9 @@ DRILL = 2  # the push before this step's rollout corrupts one matrix
 MAX_STEPS = 12
 
 
-def campaign(work: Path, drill: int = DRILL) -> None:
+def campaign(
+    work: Path, drill: int = DRILL, max_staleness: int = 1, checkpoint_every: int = 2
+) -> None:
     """The campaign's config: the push before step `drill` corrupted."""
     write_config(
         work / "grpod.toml",
@@ -36,14 +38,14 @@ def campaign(work: Path, drill: int = DRILL) -> None:
                 **SERVER_ENGINE,
                 "max_new_tokens": 4,
                 "weight_sync_probe_tokens": 128,
-                "max_staleness": 1,
+                "max_staleness": max_staleness,
                 "faults": {"weight_sync_corrupt_steps": [drill]},
             },
             "daemon": {
                 "metrics": False,
                 "log_format": "json",
                 "progress": "off",
-                "checkpoint_every": 2,
+                "checkpoint_every": checkpoint_every,
             },
             "forensics": {"episode_gap_steps": 0},
             "guards.weight_sync": {"action": "FLUSH"},  # go on after the drill

@@ -7,7 +7,10 @@ One campaign, two starts: rank 1 reaches rank 0's server and starts none; a weig
 mid-run fails the same step on both ranks (one line each, one incident, the agent exits 1);
 the resume re-runs that step and finishes (exit 0, the server's process group gone); every
 trained batch at most one version stale on both ranks; one rank's part of an async step
-replayed in one process, in an environment without vLLM."""
+replayed in one process, in an environment without vLLM.
+
+And on policy (`max_staleness = 0`, FP32): each rank's training forward compares the pushed
+weights on its own part of the rollout, and the same drill is flushed on both ranks."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Any
 import pytest
 
 from grpod.engine.rollout.vllm_server import group_alive
+from tests.daemon.helpers import cli
 from tests.vllm.test_server import campaign, check_records, check_steps, replay_without_vllm
 
 pytestmark = pytest.mark.slow
@@ -164,3 +168,44 @@ def test_one_server_serves_both_ranks_through_a_drill_a_killed_server_and_a_resu
     for rank in (0, 1):  # each rank's part alone, in one process without vLLM
         result = replay_without_vllm(work, async_step, "--rank", str(rank))
         assert result["reproduced"] is True and result["step"] == async_step, result
+
+
+@pytest.mark.timeout(1200)
+def test_on_policy_each_rank_checks_the_push_on_its_own_rollout(tmp_path: Path) -> None:
+    """`weight_sync_on_rollout` under torchrun with the node's server: no probe forward; each
+    rank's step compares the server's logprobs of its own samples with its training forward's
+    (the check's value is at least the step's `mismatch_max`), so a corrupt push is caught on
+    every rank (the guards' actions are all-reduced), on its step, after the forward; the steps
+    around it train at FP32's rounding; each rank's part of the flushed step replays in one
+    process without vLLM."""
+    work = tmp_path / "work"
+    work.mkdir()
+    campaign(work, DRILL, max_staleness=0, checkpoint_every=1)  # every step replays bit-exact
+    steps_run = 4
+    args = ["--config", "grpod.toml", "--run-dir", "run", "--max-steps", str(steps_run)]
+    job = Agent(args, work)
+    assert job.wait(timeout=900) == 0, job.tail()
+    for rank, events in job.by_rank("step").items():
+        steps = {e["step"]: e for e in events}
+        assert sorted(steps) == list(range(steps_run)), job.tail()
+        values = {s: e["weight_sync_max_abs_logprob_diff"] for s, e in steps.items()}
+        assert all(values[s] >= steps[s]["mismatch_max"] for s in steps), (rank, values)
+        drill = steps.pop(DRILL)
+        assert drill["outcome"] == "flushed", drill
+        assert [f["guard"] for f in drill["findings"]] == ["weight_sync"], drill
+        assert values[DRILL] > 1e-2, (rank, values)  # a corrupt matrix: 0.08 nats here
+        assert all(e["outcome"] == "applied" for e in steps.values()), steps
+        assert all(values[s] <= 1e-4 for s in steps), (rank, values)  # FP32: ~5e-7
+    listed = cli("incidents", "list", "--run-dir", "run", "--json", cwd=work)
+    assert listed.returncode == 0, listed.stderr
+    (incident,) = json.loads(listed.stdout)
+    # `rollout`: the rollout's half of the check, which the probe's route never reports
+    assert (incident["step"], incident["guard"], incident["kind"]) == (
+        DRILL,
+        "weight_sync",
+        "rollout",
+    )
+    for rank in (0, 1):
+        result = replay_without_vllm(work, DRILL, "--rank", str(rank))
+        assert result["reproduced"] is True, result
+        assert (result["outcome"], result["verdict_action"]) == ("flushed", "FLUSH"), result
