@@ -27,9 +27,13 @@ and `ratio_writer_charged` (its whole CPU time added to the monitored side, whic
 the half that fell there twice); `ratio_background_charged` adds the publish thread's bursts
 (`[daemon] publish_hold_seconds`, daemon/sink.py) the same way. The blocks' `ratio_drain_at_cpu`
 is the figure a campaign sees. `--publish-hold 0` publishes every step at once (A/B).
+`--workload W4` measures the real model (examples/smollm2-arith, the torch sampler); its
+steps take seconds, so pairs (the same step of the same data on both sides) are the mode
+that resolves anything there.
 
     .venv/bin/python bench/overhead.py [--rounds 120] [--block 16]
     .venv/bin/python bench/overhead.py --pairs 1000
+    .venv/bin/python bench/overhead.py --workload W4 --pairs 24   # the real model, ~8 min
     python bench/overhead.py --device cuda --pairs 600   # a GPU node (scripts/gpu_check.sh's venv)
 """
 
@@ -47,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/overhead.py` from the repo root
     sys.path.insert(0, str(ROOT))
 
-from common import bootstrap_ci95, emit  # noqa: E402
+from common import bootstrap_ci95, emit, workload_config  # noqa: E402
 
 from grpod.daemon import logs  # noqa: E402
 from grpod.daemon.config import DaemonConfig, GrpodConfig  # noqa: E402
@@ -153,6 +157,30 @@ def paired_steps(daemon: Daemon, bare: Engine, pairs: int) -> dict[str, Any]:
     }
 
 
+def time_parts(daemon: Daemon) -> dict[str, list[float]]:
+    """Wrap the monitored side's own parts of a step (the guards' hooks, the publication) in
+    timers: each call's wall seconds, appended to the returned lists (`--parts`; the
+    wrappers add a few microseconds a step)."""
+    parts: dict[str, list[float]] = {}
+
+    def timed(owner: Any, name: str, label: str) -> None:
+        inner, spent = getattr(owner, name), parts.setdefault(label, [])
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent.append(time.perf_counter() - started)
+
+        setattr(owner, name, wrapper)
+
+    for hook in ("before", "after", "decide", "after_apply"):
+        timed(daemon.policy, hook, f"guards.{hook}")
+    timed(daemon.sink, "publish", "publish")
+    return parts
+
+
 def median_ci95(values: list[float]) -> tuple[float, float]:
     """Percentile-bootstrap 95% interval of the median of `values` (fixed seed)."""
     return bootstrap_ci95(values, statistics.median)
@@ -182,10 +210,24 @@ def main() -> int:
         help="[daemon] publish_hold_seconds (0: every step's metrics and line at once)",
     )
     parser.add_argument(
-        "--device", default="cpu", help="W1's device (cuda: the fixed cost on a GPU node)"
+        "--device", default="cpu", help="the device (cuda: the fixed cost on a GPU node)"
+    )
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="also the median milliseconds of the guards' hooks and the publication a step",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=("W1", "W4"),
+        default="W1",
+        help="W4: the real model (examples/smollm2-arith), ~9 s a step here: use --pairs",
     )
     args = parser.parse_args()
-    workload = EngineConfig(**{**W1.model_dump(), "device": args.device})
+    if args.workload == "W4":
+        workload = workload_config("W4", device=args.device)
+    else:
+        workload = EngineConfig(**{**W1.model_dump(), "device": args.device})
 
     with tempfile.TemporaryDirectory(prefix="grpod-overhead-") as tmp:
         run_dir = RunDir(Path(tmp) / "run")
@@ -208,6 +250,7 @@ def main() -> int:
         logs.bind_run(plan.run_id, 0)
         daemon._start()  # engine, guards, store, initial checkpoint, /metrics server
         bare = Engine(workload)
+        parts = time_parts(daemon) if args.parts else {}
 
         bare_block(bare, args.warmup)
         monitored_block(daemon, args.warmup)
@@ -244,13 +287,14 @@ def main() -> int:
             for shown in list_incidents(run_dir.path)
         ]
         writer_cpu = daemon.recorder.write_cpu_seconds_total / max(recorded, 1)
+        parts_ms = {k: round(statistics.median(v) * 1e3, 3) for k, v in parts.items() if v}
         commits = daemon.recorder.commits_total
 
     if paired_figures is not None:
         emit(
             {
                 "bench": "overhead",
-                "workload": "W1",
+                "workload": args.workload,
                 "device": args.device,
                 "paired": paired_figures,
                 "goal": 0.99,
@@ -260,6 +304,7 @@ def main() -> int:
                 "recorder_commits": commits,
                 "incidents": incidents,
                 "writer_cpu_seconds_per_step": round(writer_cpu, 6),
+                "parts_median_ms": parts_ms,
             }
         )
         return 0
@@ -270,7 +315,7 @@ def main() -> int:
     emit(
         {
             "bench": "overhead",
-            "workload": "W1",
+            "workload": args.workload,
             "device": args.device,
             "rounds": len(times["monitored"]),
             "rounds_asked": args.rounds,
@@ -300,6 +345,7 @@ def main() -> int:
             "recorder_commits": commits,
             "incidents": incidents,
             "writer_cpu_seconds_per_step": round(writer_cpu, 6),  # the recorder thread's CPU
+            "parts_median_ms": parts_ms,
             "bare_seconds_per_step_by_block": [round(t, 4) for t in times["bare"]],
             "monitored_seconds_per_step_by_block": [round(t, 4) for t in times["monitored"]],
         }
