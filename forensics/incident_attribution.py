@@ -391,7 +391,19 @@ def _orphaned(parent: int) -> None:
             os._exit(1)
 
 
-def _idle_class() -> bool:
+def lower_priority(nice: int, idle: bool) -> None:
+    """This process below the trainer: `nice` added to its niceness, and with `idle` Linux's
+    SCHED_IDLE class, where it runs only on a core no other process wants and a waking
+    trainer thread preempts it at once (nice alone waits for its slice). Where either call is
+    missing or refused, the process runs as it is."""
+    with contextlib.suppress(OSError):
+        os.nice(nice)
+    if idle:
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def idle_class() -> bool:
     """Whether this process runs in Linux's SCHED_IDLE class (stored with the attribution)."""
     try:
         return os.sched_getscheduler(0) == os.SCHED_IDLE
@@ -413,12 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="")
     parser.add_argument("--run-fraction", type=float, default=1.0)
     args = parser.parse_args(argv)
-    with contextlib.suppress(OSError):
-        os.nice(args.nice)
-    if args.idle:
-        with contextlib.suppress(AttributeError, OSError):  # Linux: runs only on an idle core,
-            # and a waking trainer thread preempts it at once (nice alone waits for its slice)
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    lower_priority(args.nice, args.idle)
     threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
     import torch
 
@@ -450,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 **result.to_dict(),
                 "paced_seconds": round(pace.slept_seconds, 3),
-                "idle_class": _idle_class(),
+                "idle_class": idle_class(),
             }
         )
     )

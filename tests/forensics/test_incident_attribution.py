@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -236,6 +237,22 @@ def test_the_real_child_attributes_a_recorded_incident(run: Path) -> None:
     assert {"index", "prompt_id", "share"} <= set(shown["samples"][0])
     assert shown["attribution"]["paced_seconds"] == 0
     assert shown["attribution"]["idle_class"] is False  # as configured
+
+
+def test_the_child_lowers_itself_to_the_idle_class_only_when_asked() -> None:
+    """`--idle` (the default config's) puts the child in SCHED_IDLE; without it, nice alone.
+    Real processes: this one's class is not touched (an idle test runner would starve)."""
+    code = (
+        "import sys; from grpod.forensics.incident_attribution import idle_class, "
+        "lower_priority; lower_priority(0, sys.argv[1] == 'idle'); print(idle_class())"
+    )
+    shown = {
+        mode: subprocess.run(
+            [sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=120
+        ).stdout.strip()
+        for mode in ("idle", "nice")
+    }
+    assert shown == {"idle": "True", "nice": "False"}, shown
 
 
 def burn(seconds: float, pace: Pace | None = None) -> None:
