@@ -57,23 +57,51 @@ def real_value(value: Any) -> float | None:
     return None
 
 
+class _Alarm:
+    """The main thread's SIGALRM handler, while `reward_alarm` has it installed."""
+
+    installed = False
+    in_call = False  # a reward is running under its time limit: the alarm is its timeout
+
+
+def _expire(signum: int, frame: Any) -> None:
+    if _Alarm.in_call:
+        raise RewardTimeout
+
+
+@contextmanager
+def reward_alarm(seconds: float) -> Iterator[None]:
+    """SIGALRM's handler, installed once around many rewards' calls (a step's scoring): each
+    call then only arms and disarms its timer. Installing a handler costs ~4 us (two
+    `signal.signal` calls), arming ~0.6 us: at W1's 128 calls a step, 0.45 ms saved. An
+    alarm between two calls raises nothing. A nested or off-main-thread use does nothing."""
+    main = threading.current_thread() is threading.main_thread()
+    if seconds <= 0 or not main or _Alarm.installed:
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, _expire)
+    _Alarm.installed = True
+    try:
+        yield
+    finally:
+        _Alarm.installed = False
+        signal.signal(signal.SIGALRM, previous)
+
+
 @contextmanager
 def time_limit(seconds: float) -> Iterator[None]:
     """Raise `RewardTimeout` in this thread after `seconds` (0, or off the main thread: none)."""
     if seconds <= 0 or threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def expire(signum: int, frame: Any) -> None:
-        raise RewardTimeout
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    with reward_alarm(seconds):  # installed here unless a caller holds it for its batch
+        _Alarm.in_call = True
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            _Alarm.in_call = False
 
 
 def call_reward(
@@ -91,32 +119,40 @@ def call_reward(
     """`fn(prompt, completion, answer)` as a float; a NaN or inf as `non_finite` says (the
     caller's decision, see `NonFinite`); `where` names the sample in errors ("task t.jsonl:
     ... on sample 5")."""
-    about = f"on sample {sample} (prompt {prompt[:40]!r})"
     try:
         with time_limit(timeout_seconds):
             value = fn(prompt, completion, answer)
     except RewardTimeout:
         raise RewardError(
             f"{where}reward {name} took longer than reward_timeout_seconds "
-            f"{timeout_seconds:g} {about}",
+            f"{timeout_seconds:g} {_about(sample, prompt)}",
             reward=name,
             sample=sample,
         ) from None
     except Exception as exc:
         raise RewardError(
-            f"{where}reward {name} raised {about}: {one_line(exc)}", reward=name, sample=sample
+            f"{where}reward {name} raised {_about(sample, prompt)}: {one_line(exc)}",
+            reward=name,
+            sample=sample,
         ) from None
     number = real_value(value)
     if number is None:
         raise RewardError(
-            f"{where}reward {name} returned {type(value).__name__}, not a number, {about}",
+            f"{where}reward {name} returned {type(value).__name__}, not a number, "
+            f"{_about(sample, prompt)}",
             reward=name,
             sample=sample,
         )
     if non_finite is NonFinite.REFUSE and not math.isfinite(number):
         raise RewardError(
-            f"{where}reward {name} returned {number}, not a finite number, {about}",
+            f"{where}reward {name} returned {number}, not a finite number, "
+            f"{_about(sample, prompt)}",
             reward=name,
             sample=sample,
         )
     return number
+
+
+def _about(sample: int, prompt: str) -> str:
+    """The sample an error names (made only when one is raised: a step scores 128 calls)."""
+    return f"on sample {sample} (prompt {prompt[:40]!r})"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpod.engine.data.rewardcall import NonFinite
+from grpod.engine.data.rewardcall import NonFinite, reward_alarm
 from grpod.engine.data.tasks import Prompt, RewardFn, Task, load_reward
 
 
@@ -52,7 +52,14 @@ class RewardSet:
     ) -> tuple[torch.Tensor, dict[str, list[float]]]:
         """`rewards: [samples]` FP32 and {name: [samples]} (empty without `rewards`); sample
         `i` is named `first + i` in errors (under torchrun: its index in the global batch).
-        A function that fails raises `RewardError` (engine/data/rewardcall.py)."""
+        A function that fails raises `RewardError` (engine/data/rewardcall.py). Each call has
+        its own time limit; the alarm's handler is installed once for them all."""
+        with reward_alarm(self.timeout_seconds):
+            return self._score(prompts, completions, group_size, first)
+
+    def _score(
+        self, prompts: list[Prompt], completions: list[str], group_size: int, first: int
+    ) -> tuple[torch.Tensor, dict[str, list[float]]]:
         if not self.functions:
             values = [
                 self.task.score(

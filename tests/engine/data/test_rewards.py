@@ -12,7 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from grpod.engine import Engine, EngineError
-from grpod.engine.data.rewardcall import NonFinite, call_reward, real_value
+from grpod.engine.data.rewardcall import NonFinite, call_reward, real_value, reward_alarm
 from grpod.engine.errors import RewardError
 from grpod.engine.grpo.eval import Evaluator
 from grpod.engine.grpo.preflight import preflight
@@ -110,6 +110,41 @@ def test_a_reward_past_its_time_limit_is_its_failure() -> None:
         call(hangs, "m:hangs", sample=3, timeout_seconds=0.2)
     assert time.monotonic() - started < 10  # interrupted, not slept out
     assert call(lambda p, c, a: 1, "m:f") == 1.0
+
+
+def test_a_batch_installs_the_alarm_once_and_each_call_keeps_its_limit() -> None:
+    """`reward_alarm` around many calls: the handler stays installed between them (no
+    `signal.signal` per call), each call still has its own limit, an alarm between two calls
+    raises nothing, and the previous handler is back after the batch."""
+    import signal
+    import time
+
+    before = signal.getsignal(signal.SIGALRM)
+    seen = []
+
+    def quick(prompt: str, completion: str, answer: str) -> float:
+        seen.append(signal.getsignal(signal.SIGALRM))
+        return 1.0
+
+    def hangs(prompt: str, completion: str, answer: str) -> float:
+        time.sleep(30)
+        return 1.0
+
+    with reward_alarm(5.0):
+        installed = signal.getsignal(signal.SIGALRM)
+        assert installed is not before
+        assert [call(quick, "m:q", timeout_seconds=5.0) for _ in range(3)] == [1.0] * 3
+        assert seen == [installed] * 3  # the batch's handler, not one per call
+        signal.setitimer(signal.ITIMER_REAL, 0.01)  # between calls: nothing raised
+        time.sleep(0.1)
+        started = time.monotonic()
+        with pytest.raises(RewardError, match=r"reward m:hangs took longer than .* 0.2 "):
+            call(hangs, "m:hangs", timeout_seconds=0.2)
+        assert time.monotonic() - started < 10
+        assert signal.getsignal(signal.SIGALRM) is installed  # still the batch's
+    assert signal.getsignal(signal.SIGALRM) is before
+    assert call(quick, "m:q", timeout_seconds=5.0) == 1.0  # alone: installed and removed
+    assert signal.getsignal(signal.SIGALRM) is before
 
 
 def call(fn, name: str, non_finite: NonFinite = NonFinite.PASS, **kw) -> float:
