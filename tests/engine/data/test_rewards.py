@@ -137,10 +137,9 @@ def test_a_batch_installs_the_alarm_once_and_each_call_keeps_its_limit() -> None
         assert seen == [installed] * 3  # the batch's handler, not one per call
         signal.setitimer(signal.ITIMER_REAL, 0.01)  # between calls: nothing raised
         time.sleep(0.1)
-        started = time.monotonic()
+        # interrupted: a 30 s sleep slept out would return 1.0 and raise nothing
         with pytest.raises(RewardError, match=r"reward m:hangs took longer than .* 0.2 "):
             call(hangs, "m:hangs", timeout_seconds=0.2)
-        assert time.monotonic() - started < 10
         assert signal.getsignal(signal.SIGALRM) is installed  # still the batch's
     assert signal.getsignal(signal.SIGALRM) is before
     assert call(quick, "m:q", timeout_seconds=5.0) == 1.0  # alone: installed and removed
