@@ -26,6 +26,7 @@ from grpod.forensics.incident_attribution import (
     child_command,
 )
 from grpod.forensics.pace import CHECK_SECONDS, FreePipe, Pace
+from tests.daemon.helpers import wait_until
 from tests.forensics.campaign import Campaign
 from tests.forensics.conftest import FAULT_STEP
 from tests.forensics.test_store import decided, tiny_batch, tiny_report
@@ -153,15 +154,18 @@ def test_over_max_pending_is_skipped_and_a_stop_is_bounded(run: Path) -> None:
     """One runs (a child that would take a minute), one waits, the third is one too many;
     the stop kills the child after its wait and notes both as not computed."""
     records: list[AttributionRecord] = []
+    started = run / "child-started"
     worker = IncidentAttributor(
         run,
         AttributionConfig(max_pending=2),
-        command=python("import time; time.sleep(60)"),
+        command=python(
+            f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(60)"
+        ),
         on_done=records.append,
     )
     for _ in range(3):
         worker.submit(1, FAULT_STEP, 16)
-    time.sleep(1.0)  # the first child runs
+    wait_until(started.exists, "the first child started")
     worker.close(0.5)  # returns with the child killed (its record "stopped", below)
     assert worker.pending == 0
     assert [(r.status, r.note) for r in records[:2]] == [("stopped", STOPPED)] * 2

@@ -135,7 +135,9 @@ def test_a_batch_installs_the_alarm_once_and_each_call_keeps_its_limit() -> None
         assert [call(quick, "m:q", timeout_seconds=5.0) for _ in range(3)] == [1.0] * 3
         assert seen == [installed] * 3  # the batch's handler, not one per call
         signal.setitimer(signal.ITIMER_REAL, 0.01)  # between calls: nothing raised
-        time.sleep(0.1)
+        while signal.getitimer(signal.ITIMER_REAL)[0] > 0:  # until it has fired
+            time.sleep(0.005)
+        time.sleep(0)  # a bytecode boundary: the handler has run
         # interrupted: a 30 s sleep slept out would return 1.0 and raise nothing
         with pytest.raises(RewardError, match=r"reward m:hangs took longer than .* 0.2 "):
             call(hangs, "m:hangs", timeout_seconds=0.2)
