@@ -31,7 +31,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import insert
+from sqlalchemy.dialects import postgresql, sqlite
 
 from grpod.base.jsonsafe import from_json, to_json
 from grpod.engine import StepReport, TransportBatch
@@ -52,7 +53,6 @@ HOLD_BYTES = 64 * 1024**2  # batch bytes a commit group may hold in memory befor
 
 
 _STEP_INSERT = insert(Step)
-_BLOB_INSERT = insert(Blob)
 _RANK_INSERT = insert(StepRank)
 _LEDGER_INSERT = insert(PromptFate)
 
@@ -136,6 +136,10 @@ class FlightRecorder:
         else:
             self.store.check_schema()
         self.blobs = BlobStore(self.run_dir)
+        # a blob row per digest, its first: ON CONFLICT DO NOTHING (SQLite and PostgreSQL
+        # alike) instead of a SELECT of the digests the store has before every insert
+        dialect = sqlite if self.store.is_sqlite else postgresql
+        self._blob_insert = dialect.insert(Blob).on_conflict_do_nothing(index_elements=["sha256"])
         self.episodes = EpisodeTracker(self.config.incident_action, self.config.episode_gap_steps)
         self.run_id: str | None = None
         self.ledger: LedgerSpec | None = None  # None: no prompt ledger is written
@@ -409,9 +413,8 @@ class FlightRecorder:
         new: list[tuple[Episode, int]] = []  # opened episodes, their first step's samples
         with self.store.session() as session:
             conn = session.connection()
-            known = set(conn.scalars(select(Blob.sha256).where(Blob.sha256.in_(list(blobs)))))
             now = _now()
-            missing = [
+            rows = [
                 dict(
                     sha256=digest,
                     size=blob.size,
@@ -421,10 +424,8 @@ class FlightRecorder:
                     created_at=now,
                 )
                 for digest, blob in blobs.items()
-                if digest not in known
             ]
-            if missing:
-                conn.execute(_BLOB_INSERT, missing)
+            conn.execute(self._blob_insert, rows)  # a digest the store has keeps its row
             plain: list[dict[str, Any]] = []  # rows that need no id: one executemany
             ranks: list[dict[str, Any]] = []  # rank rows of the group's distributed steps
             ledger = [prompt for staged in group for prompt in staged.ledger]

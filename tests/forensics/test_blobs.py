@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grpod.forensics import BlobStore, ForensicsError, canonical_digest
+from grpod.forensics import blobs as blobs_module
 
 TENSORS = {"a": torch.arange(6).reshape(2, 3), "b": torch.tensor([True, False])}
 META = {"step": "3", "format": "x"}
@@ -26,6 +27,29 @@ def test_the_digest_of_a_known_content_never_changes() -> None:
     assert canonical_digest(odd, {"k": "v", "a": ""}) == (
         "2621ce3549d38ee47a39daea96f6247c973df1a4cf16cfff78f93586166daded"
     )
+
+
+def test_tensors_that_need_torch_to_reach_their_bytes_digest_as_their_plain_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Plain CPU tensors are read through numpy; a view, a tensor with grad and bf16 (which
+    numpy lacks) through torch; a large blob is hashed part by part. Same bytes, same digest."""
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    odd = {
+        "view": base[:, 1:4],  # not contiguous
+        "grad": torch.ones(3, requires_grad=True),
+        "bf16": torch.linspace(-2, 2, 5).to(torch.bfloat16),
+        "scalar": torch.tensor(7, dtype=torch.int16),
+    }
+    plain = {name: t.detach().clone().contiguous() for name, t in odd.items()}
+    assert canonical_digest(odd, META) == canonical_digest(plain, META)
+    assert canonical_digest({"bf16": odd["bf16"]}, {}) == (
+        "689a3434ce5147ae05e0fb81c7b972086a380b59a50d63477c877243a56bef94"
+    )
+    joined = canonical_digest(TENSORS, META)
+    monkeypatch.setattr(blobs_module, "JOIN_BYTES", 0)  # every part its own update
+    assert canonical_digest(TENSORS, META) == joined
+    assert canonical_digest(odd, META) == canonical_digest(plain, META)
 
 
 def test_digest_covers_content_not_file_bytes() -> None:

@@ -174,6 +174,31 @@ def test_recorded_rows_round_trip(tmp_path: Path, store_url: str) -> None:
     store.close()
 
 
+def test_a_batch_recorded_again_keeps_its_first_blob_row(tmp_path: Path, store_url: str) -> None:
+    """A digest the store has (a resumed run's rerun of a step, in the same commit group or a
+    later one) keeps one blob row, the first; every step row names it."""
+    config = ForensicsConfig(store_url=store_url, inline_blob_bytes=0)  # files: a path to keep
+    recorder = FlightRecorder(tmp_path, config)
+    recorder.start_run("r1", {"engine": {}}, {}, "cpu")
+    recorder.record(decided(tiny_batch(0), tiny_report(0), PASS, "applied"))
+    recorder.drain()  # committed: the next two find its row
+    recorder.record(decided(tiny_batch(0), tiny_report(0), PASS, "applied"), rerun=True)
+    recorder.record(decided(tiny_batch(0), tiny_report(0), PASS, "applied"), rerun=True)
+    recorder.close()
+    store = Store(tmp_path, store_url, create=False)
+    with store.session() as session:
+        (blob,) = session.scalars(select(Blob)).all()
+        steps = session.scalars(select(Step).order_by(Step.id)).all()
+        assert [(s.step, s.rerun, s.batch_digest) for s in steps] == [
+            (0, False, blob.sha256),
+            (0, True, blob.sha256),
+            (0, True, blob.sha256),
+        ]
+        assert blob.path == BlobStore(tmp_path).relpath(blob.sha256) and blob.data is None
+        BlobStore(tmp_path).verify(blob.sha256)
+    store.close()
+
+
 def test_incident_action_threshold(tmp_path: Path, store_url: str) -> None:
     recorder = record_steps(tmp_path, store_url, [PASS, WARN, FLUSH], incident_action="FLUSH")
     assert recorder.incidents_total == 1
