@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import insert
-from sqlalchemy.dialects import postgresql, sqlite
 
 from grpod.base.jsonsafe import from_json, to_json
 from grpod.engine import StepReport, TransportBatch
@@ -136,10 +135,8 @@ class FlightRecorder:
         else:
             self.store.check_schema()
         self.blobs = BlobStore(self.run_dir)
-        # a blob row per digest, its first: ON CONFLICT DO NOTHING (SQLite and PostgreSQL
-        # alike) instead of a SELECT of the digests the store has before every insert
-        dialect = sqlite if self.store.is_sqlite else postgresql
-        self._blob_insert = dialect.insert(Blob).on_conflict_do_nothing(index_elements=["sha256"])
+        # a blob row per digest, its first: no SELECT of the known digests before each insert
+        self._blob_insert = self.store.insert_keeping(Blob, "sha256")
         self.episodes = EpisodeTracker(self.config.incident_action, self.config.episode_gap_steps)
         self.run_id: str | None = None
         self.ledger: LedgerSpec | None = None  # None: no prompt ledger is written

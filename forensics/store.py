@@ -17,7 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, func, inspect, make_url, select, text
+from sqlalchemy import (
+    Engine,
+    Insert,
+    create_engine,
+    event,
+    func,
+    inspect,
+    make_url,
+    select,
+    text,
+)
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -162,6 +173,12 @@ class Store:
                 "(PostgreSQL advisory lock)"
             )
         self._lock_conn, self._lock_key = conn, key
+
+    def insert_keeping(self, model: type, key: str) -> Insert:
+        """An INSERT of `model` rows under which a row whose `key` the store has already keeps
+        its values (ON CONFLICT DO NOTHING: SQLite and PostgreSQL spell it alike)."""
+        dialect = sqlite if self.is_sqlite else postgresql
+        return dialect.insert(model).on_conflict_do_nothing(index_elements=[key])
 
     @contextmanager
     def session(self) -> Iterator[Session]:
