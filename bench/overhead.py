@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/overhead.py` from the repo root
@@ -63,6 +63,34 @@ from grpod.forensics import ForensicsConfig, list_incidents  # noqa: E402
 from grpod.forensics.config import AttributionConfig  # noqa: E402
 
 W1 = EngineConfig(task="arith", threads=2)  # 16 prompts x 8 completions, 4 new tokens, lr 1e-3
+
+
+def start_daemon(
+    tmp: Path,
+    workload: EngineConfig,
+    *,
+    attribution: bool = False,
+    publish_hold: float | None = None,
+) -> tuple[Daemon, RunDir, TextIO]:
+    """A started daemon on `workload` in a run dir under `tmp` (engine, guards, store, initial
+    checkpoint, /metrics on a free port), its JSON log into `tmp`/daemon.log: (the daemon,
+    its run dir, the log file the caller closes)."""
+    run_dir = RunDir(tmp / "run")
+    hold = {} if publish_hold is None else {"publish_hold_seconds": publish_hold}
+    config = GrpodConfig(
+        engine=workload,
+        forensics=ForensicsConfig(attribution=AttributionConfig(enabled=attribution)),
+        daemon=DaemonConfig(
+            run_dir=str(run_dir.path), metrics_port=0, log_format="json", progress="off", **hold
+        ),
+    )
+    plan = Plan(config, run_dir, "overhead", False, None, None)
+    daemon = Daemon(plan)
+    log_file = open(tmp / "daemon.log", "w")  # noqa: SIM115 - the caller closes it
+    daemon.log = logs.make_logger("json", "info", stream=log_file)
+    logs.bind_run(plan.run_id, 0)
+    daemon._start()
+    return daemon, run_dir, log_file
 
 
 def bare_block(engine: Engine, steps: int) -> tuple[float, float]:
@@ -230,25 +258,9 @@ def main() -> int:
         workload = EngineConfig(**{**W1.model_dump(), "device": args.device})
 
     with tempfile.TemporaryDirectory(prefix="grpod-overhead-") as tmp:
-        run_dir = RunDir(Path(tmp) / "run")
-        attribution = AttributionConfig(enabled=not args.no_attribution)
-        config = GrpodConfig(
-            engine=workload,
-            forensics=ForensicsConfig(attribution=attribution),
-            daemon=DaemonConfig(
-                run_dir=str(run_dir.path),
-                metrics_port=0,
-                log_format="json",
-                progress="off",
-                publish_hold_seconds=args.publish_hold,
-            ),
+        daemon, run_dir, log_file = start_daemon(
+            Path(tmp), workload, attribution=not args.no_attribution, publish_hold=args.publish_hold
         )
-        plan = Plan(config, run_dir, "overhead", False, None, None)
-        daemon = Daemon(plan)
-        log_file = open(Path(tmp) / "daemon.log", "w")  # noqa: SIM115 - closed below
-        daemon.log = logs.make_logger("json", "info", stream=log_file)
-        logs.bind_run(plan.run_id, 0)
-        daemon._start()  # engine, guards, store, initial checkpoint, /metrics server
         bare = Engine(workload)
         parts = time_parts(daemon) if args.parts else {}
 

@@ -36,15 +36,11 @@ if str(ROOT) not in sys.path:  # run as `python bench/overhead_shares.py` from t
     sys.path.insert(0, str(ROOT))
 
 from common import bootstrap_ci95, emit  # noqa: E402
-from overhead import W1, bare_block, monitored_block  # noqa: E402
+from overhead import W1, bare_block, monitored_block, start_daemon  # noqa: E402
 
-from grpod.daemon import logs  # noqa: E402
-from grpod.daemon.config import DaemonConfig, GrpodConfig  # noqa: E402
 from grpod.daemon.loop import Daemon  # noqa: E402
-from grpod.daemon.rundir import Plan, RunDir  # noqa: E402
 from grpod.engine import Engine  # noqa: E402
 from grpod.forensics import ForensicsConfig, list_incidents  # noqa: E402
-from grpod.forensics.config import AttributionConfig  # noqa: E402
 
 SIDES = ("bare", "monitored", "without")
 ORDERS = list(itertools.permutations(SIDES))  # each side in each place, after each other side
@@ -84,20 +80,7 @@ def campaign(
     daemon's first HALT (W1's toy is solved and halted by `dead_campaign` near step 926; the
     round it fell in is dropped, as `overhead.py` does): (the HALT's step, incidents)."""
     with tempfile.TemporaryDirectory(prefix="grpod-shares-") as tmp:
-        run_dir = RunDir(Path(tmp) / "run")
-        config = GrpodConfig(
-            engine=W1,
-            forensics=ForensicsConfig(attribution=AttributionConfig(enabled=False)),
-            daemon=DaemonConfig(
-                run_dir=str(run_dir.path), metrics_port=0, log_format="json", progress="off"
-            ),
-        )
-        plan = Plan(config, run_dir, "overhead-shares", False, None, None)
-        daemon = Daemon(plan)
-        log_file = open(Path(tmp) / "daemon.log", "w")  # noqa: SIM115 - closed below
-        daemon.log = logs.make_logger("json", "info", stream=log_file)
-        logs.bind_run(plan.run_id, 0)
-        daemon._start()
+        daemon, run_dir, log_file = start_daemon(Path(tmp), W1)
         bare = Engine(W1)
         on = switch(daemon, args.without)
         bare_block(bare, 2)
