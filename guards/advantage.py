@@ -43,7 +43,7 @@ class AdvantageGuard(Guard):
         fraction = report.zero_std_group_fraction
         if not is_finite(fraction):
             return []
-        before = self.history.mean_std()[0] if len(self.history) else 0.0
+        before = self.history.mean() if len(self.history) else 0.0
         self.history.append(fraction)
         findings = []
         limit = self.config.zero_std_fraction_max

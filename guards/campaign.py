@@ -47,9 +47,9 @@ class DeadCampaignGuard(Guard):
         steps = self.config.steps
         if len(self.zero_std) < steps:
             return []
-        fraction = self.zero_std.mean_std()[0]
+        fraction = self.zero_std.mean()
         largest = max(self.grad_norm.values)
-        reward = self.reward.mean_std()[0]
+        reward = self.reward.mean()
         if fraction >= self.config.zero_std_fraction_min:
             reason = (
                 f"no learning signal for {steps} steps: {fraction:.1%} of groups had equal "

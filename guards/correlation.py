@@ -13,9 +13,10 @@ counter expected / valid is 1 on every step and there is nothing to correlate.
 from __future__ import annotations
 
 import math
+from operator import mul
 from typing import TYPE_CHECKING, Any
 
-from grpod.guards.base import Guard, Window, load_floats
+from grpod.guards.base import Guard, PairedWindow, Window, load_floats
 from grpod.guards.verdict import Finding
 
 if TYPE_CHECKING:  # annotations only: `grpod plot` uses the correlation without torch
@@ -28,11 +29,11 @@ def pearson(xs: list[float], ys: list[float]) -> float | None:
     if n < 2 or n != len(ys):
         return None
     mx, my = math.fsum(xs) / n, math.fsum(ys) / n
-    sxx = math.fsum((x - mx) ** 2 for x in xs)
-    syy = math.fsum((y - my) ** 2 for y in ys)
+    dx, dy = [x - mx for x in xs], [y - my for y in ys]
+    sxx, syy = math.fsum(map(mul, dx, dx)), math.fsum(map(mul, dy, dy))
     if sxx <= 0.0 or syy <= 0.0:
         return None
-    sxy = math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxy = math.fsum(map(mul, dx, dy))
     return max(-1.0, min(1.0, sxy / math.sqrt(sxx * syy)))
 
 
@@ -51,15 +52,22 @@ class GradNormVTCCorrelationGuard(Guard):
     name = "gradnorm_vtc_correlation"
 
     def __init__(self, config) -> None:
-        self.grad_norms = Window(config.window)
-        self.scale_errors = Window(config.window)  # expected / valid tokens, step by step
+        self.pairs = PairedWindow(config.window)  # (grad norm, expected / valid tokens)
         self.value: float | None = None
         super().__init__(config)
 
+    @property
+    def grad_norms(self) -> Window:
+        return self.pairs.x
+
+    @property
+    def scale_errors(self) -> Window:
+        """Expected / valid tokens, step by step."""
+        return self.pairs.y
+
     def configure(self, config) -> None:
         super().configure(config)
-        self.grad_norms.resize(config.window)
-        self.scale_errors.resize(config.window)
+        self.pairs.resize(config.window)
         self.value = self._compute()
 
     def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
@@ -79,14 +87,13 @@ class GradNormVTCCorrelationGuard(Guard):
     def observe(self, grad_norm: float, valid_tokens: float, expected_valid_tokens: float) -> None:
         """Take one step's reading into the window (`grpod plot` replays a run through this)."""
         if is_evidence(grad_norm, valid_tokens) and math.isfinite(expected_valid_tokens):
-            self.grad_norms.append(grad_norm)
-            self.scale_errors.append(expected_valid_tokens / valid_tokens)
+            self.pairs.append(grad_norm, expected_valid_tokens / valid_tokens)
             self.value = self._compute()
 
     def _compute(self) -> float | None:
         if len(self.grad_norms) < self.config.min_steps:
             return None
-        return pearson(list(self.grad_norms.values), list(self.scale_errors.values))
+        return self.pairs.pearson()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -100,6 +107,7 @@ class GradNormVTCCorrelationGuard(Guard):
         grads = load_floats(state, "grad_norms", self.name)
         errors = load_floats(state, "token_scale_errors", self.name)
         n = min(len(grads), len(errors))
-        self.grad_norms = Window(self.config.window, grads[len(grads) - n :])
-        self.scale_errors = Window(self.config.window, errors[len(errors) - n :])
+        self.pairs = PairedWindow(
+            self.config.window, grads[len(grads) - n :], errors[len(errors) - n :]
+        )
         self.value = self._compute()

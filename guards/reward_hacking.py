@@ -38,7 +38,7 @@ from grpod.guards.base import Guard, is_finite
 from grpod.guards.config import REWARD_HACKING_RULES
 from grpod.guards.correlation import pearson
 from grpod.guards.errors import GuardsError
-from grpod.guards.trend import Trend, curve_evidence, trend
+from grpod.guards.trend import Trend, curve_evidence, ends, trend
 from grpod.guards.verdict import Action, Finding
 
 if TYPE_CHECKING:
@@ -60,6 +60,7 @@ class RewardHackingGuard(Guard):
         self.best: dict[str, float] = {}
         self.held = dict.fromkeys(RULES, 0)
         self.weights: dict[str, float] = {}
+        self._memo: dict[Any, Any] = {}  # this step's series and trends (`after` clears it)
         super().__init__(config)
 
     def configure(self, config) -> None:
@@ -80,6 +81,7 @@ class RewardHackingGuard(Guard):
         if report.skipped_compute or not is_finite(report.reward_mean):
             return []
         self.steps.append(_record(report))
+        self._memo.clear()
         if not self.weights and len(batch.function_rewards) > 1:
             self.weights = _term_weights(batch)
         if len(self.steps) < self.config.min_steps:
@@ -104,7 +106,7 @@ class RewardHackingGuard(Guard):
     def _divergence(self) -> tuple[str, dict[str, float]] | None:
         cfg = self.config
         trained = self._series("reward")
-        rise = trend(trained)
+        rise = self._trend("reward")
         if not (rise.rising(cfg.t_min) and rise.rise >= cfg.min_rise):
             return None
         for name, values, steps in self._audits():
@@ -148,12 +150,13 @@ class RewardHackingGuard(Guard):
     def _length(self) -> tuple[str, dict[str, float]] | None:
         cfg = self.config
         lengths = self._series("length")
-        drift = trend(lengths)
-        if drift.first <= 0 or drift.last <= 0:
+        first, last = ends(lengths)  # the trend's own ends: its passes only when they moved
+        if first <= 0 or last <= 0:
             return None
-        ratio = drift.last / drift.first
+        ratio = last / first
         if max(ratio, 1 / ratio) < cfg.length_ratio_max:
             return None
+        drift = self._trend("length")
         corr = pearson(lengths, self._series("reward")) or 0.0
         if abs(corr) < cfg.length_corr_min:
             return None
@@ -171,8 +174,11 @@ class RewardHackingGuard(Guard):
         cfg = self.config
         for key in ("repeated_ngram_fraction", "identical_completion_fraction"):
             values = self._series(key)
-            rise = trend(values)
-            if not (rise.rising(cfg.t_min) and rise.last - rise.first >= cfg.degeneration_rise_min):
+            first, last = ends(values)  # the trend's own ends: its passes only when they rose
+            if last - first < cfg.degeneration_rise_min:
+                continue
+            rise = self._trend(key)
+            if not rise.rising(cfg.t_min):
                 continue
             return self._confirmed(
                 f"{key.replace('_', ' ')} rose {rise.first:.3f} -> {rise.last:.3f} in {rise.n} "
@@ -186,7 +192,7 @@ class RewardHackingGuard(Guard):
         cfg = self.config
         if len(self.weights) < 2:
             return None
-        total = trend(self._series("reward"))
+        total = self._trend("reward")
         if not (total.rising(cfg.t_min) and total.rise >= cfg.min_rise):
             return None
         terms = {name: trend(self._term(name)) for name in self.weights}
@@ -212,7 +218,7 @@ class RewardHackingGuard(Guard):
         kls = self._series("kl")
         if any(v is None for v in kls):
             return None
-        drift = trend(kls)
+        drift = self._trend("kl")
         if not (drift.rising(cfg.t_min) and drift.rise >= cfg.kl_min_rise):
             return None
         opinion = self._unconfirmed()
@@ -233,7 +239,17 @@ class RewardHackingGuard(Guard):
 
     # ----------------------------------------------------------------- helpers
     def _series(self, key: str) -> list[float]:
-        return [r[key] for r in self.steps]
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = [r[key] for r in self.steps]
+        return found
+
+    def _trend(self, key: str) -> Trend:
+        """`trend` of `_series(key)`, computed once a step (several rules read the reward's)."""
+        found = self._memo.get(("trend", key))
+        if found is None:
+            found = self._memo[("trend", key)] = trend(self._series(key))
+        return found
 
     def _term(self, name: str) -> list[float]:
         return [r["terms"].get(name, 0.0) for r in self.steps]
@@ -244,7 +260,9 @@ class RewardHackingGuard(Guard):
     def _audits(self) -> list[tuple[str, list[float], list[int]]]:
         """Each audit reward's values over the window, with their positions in it (audited
         steps only); those with fewer than min_steps // audit interval values are left out."""
-        out = []
+        if "audits" in self._memo:
+            return self._memo["audits"]
+        out = self._memo["audits"] = []
         for name in self._audit_names():
             pairs = [
                 (i, r["audits"][name]) for i, r in enumerate(self.steps) if name in r["audits"]
@@ -254,9 +272,16 @@ class RewardHackingGuard(Guard):
                 out.append((name, [v for _, v in pairs], [i for i, _ in pairs]))
         return out
 
-    def _opinions(self) -> list[tuple[str, list[float]]]:
-        audits = [(name, values) for name, values, _ in self._audits()]
-        return audits or [(TRAINED, self._series("reward"))]
+    def _opinions(self) -> list[tuple[str, list[float], Trend | None]]:
+        """The second opinions (the audit rewards, else the trained reward): each one's name,
+        values over the window and their trend (None under 3 values)."""
+        if "opinions" not in self._memo:
+            audits = [(name, values) for name, values, _ in self._audits()]
+            self._memo["opinions"] = [
+                (name, values, trend(values) if len(values) >= 3 else None)
+                for name, values in audits
+            ] or [(TRAINED, self._series("reward"), self._trend("reward"))]
+        return self._memo["opinions"]
 
     def _confirmed(
         self, claim: str, evidence: dict[str, float], moral: str = ""
@@ -275,8 +300,9 @@ class RewardHackingGuard(Guard):
         """The first second opinion (audit rewards, else the trained reward) that falls
         (t <= -fall_t) and sits below its best by best_drop_min, or None."""
         cfg = self.config
-        for name, values in self._opinions():
-            opinion = trend(values)
+        for name, values, opinion in self._opinions():
+            if opinion is None:
+                continue
             best = self.best.get(name)
             fell = best is not None and best - opinion.last >= cfg.best_drop_min
             if opinion.t <= -cfg.fall_t and fell:
@@ -284,8 +310,8 @@ class RewardHackingGuard(Guard):
         return None
 
     def _update_best(self) -> None:
-        for name, values in self._opinions():
-            last = trend(values).last if len(values) >= 3 else values[-1]
+        for name, values, fit in self._opinions():
+            last = values[-1] if fit is None else fit.last
             self.best[name] = max(self.best.get(name, -math.inf), last)
 
     # ----------------------------------------------------------------- state

@@ -5,7 +5,6 @@ norm on a log scale, since it moves by factors."""
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Any
 
 from grpod.engine import StepReport, TransportBatch
@@ -51,8 +50,7 @@ class SpikeGuard(Guard):
         self._logs = {}
         for metric in self.config.log_metrics:
             window = self.windows[metric]
-            if any(v <= 0 for v in window.values):
-                window.values = deque((v for v in window.values if v > 0), window.values.maxlen)
+            window.keep(lambda v: v > 0)
             self._logs[metric] = Window(self.config.window, map(math.log, window.values))
 
     def _scale(self, metric: str) -> Window:

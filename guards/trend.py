@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from itertools import pairwise
+from operator import mul
 from typing import Any
 
 
@@ -41,21 +43,32 @@ def trend(values: Sequence[float]) -> Trend:
     n = len(values)
     if n < 3:
         raise ValueError(f"a trend needs 3 values, not {n}")
-    mean_x = (n - 1) / 2
     mean_y = math.fsum(values) / n
     sxx = n * (n * n - 1) / 12
-    sxy = math.fsum((i - mean_x) * (v - mean_y) for i, v in enumerate(values))
-    slope = sxy / sxx
-    ssr = math.fsum((v - mean_y - slope * (i - mean_x)) ** 2 for i, v in enumerate(values))
+    xs = _centered(n)
+    ys = [v - mean_y for v in values]
+    slope = math.fsum(map(mul, xs, ys)) / sxx
+    residuals = [y - slope * x for x, y in zip(xs, ys)]
+    ssr = math.fsum(map(mul, residuals, residuals))
     se = math.sqrt(max(ssr, 0.0) / (n - 2) / sxx)
     if se > 1e-12 * max(1.0, abs(mean_y)):
         t = slope / se
     else:  # an exact line: the sign of its slope is certain
         t = 0.0 if slope == 0 else math.copysign(math.inf, slope)
-    quarter = max(1, n // 4)
-    return Trend(
-        n, slope, t, math.fsum(values[:quarter]) / quarter, math.fsum(values[-quarter:]) / quarter
-    )
+    return Trend(n, slope, t, *ends(values))
+
+
+def ends(values: Sequence[float]) -> tuple[float, float]:
+    """The means of the first and the last quarter of `values` (at least one value each):
+    `trend`'s `first` and `last`, without its passes over the whole series."""
+    quarter = max(1, len(values) // 4)
+    return math.fsum(values[:quarter]) / quarter, math.fsum(values[-quarter:]) / quarter
+
+
+@cache
+def _centered(n: int) -> tuple[float, ...]:
+    """0..n-1 less their mean."""
+    return tuple(i - (n - 1) / 2 for i in range(n))
 
 
 def quarter_means(values: Sequence[float]) -> list[float]:

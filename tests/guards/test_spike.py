@@ -91,7 +91,8 @@ def test_mad_spread_ignores_the_windows_outliers() -> None:
     values = [1.0 + 0.1 * (i % 2) for i in range(30)] + [40.0, 40.0]
     std, mad = (SpikeGuard(SpikeConfig(metrics=("loss",), spread=s)) for s in ("std", "mad"))
     for guard in (std, mad):
-        guard.windows["loss"].values.extend(values)
+        for value in values:
+            guard.windows["loss"].append(value)
     assert std.after(batch(), report(loss=30.0)) == []
     (finding,) = mad.after(batch(), report(loss=30.0))
     assert finding.evidence["center"] == pytest.approx(1.1)  # 15 x 1.0, 15 x 1.1, 2 x 40
