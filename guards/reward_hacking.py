@@ -29,7 +29,8 @@ best (the largest trained reward minus audit reward), which `grpod incidents sho
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from grpod.engine import StepReport, TransportBatch
 
 RULES = REWARD_HACKING_RULES
+COLUMNS = ("reward", "length", "repeated_ngram_fraction", "identical_completion_fraction", "kl")
 TRAINED = "trained"  # the second opinion's name when there is no audit reward
 
 
@@ -55,18 +57,17 @@ class RewardHackingGuard(Guard):
     name = "reward_hacking"
 
     def __init__(self, config) -> None:
-        self.steps: deque[dict[str, Any]] = deque(maxlen=config.window)
+        self._keep_steps((), config.window)
         self.evals: deque[tuple[int, float]] = deque(maxlen=config.eval_points)
         self.best: dict[str, float] = {}
         self.held = dict.fromkeys(RULES, 0)
         self.weights: dict[str, float] = {}
-        self._memo: dict[Any, Any] = {}  # this step's series and trends (`after` clears it)
         super().__init__(config)
 
     def configure(self, config) -> None:
         super().configure(config)
         if self.steps.maxlen != config.window:
-            self.steps = deque(self.steps, maxlen=config.window)
+            self._keep_steps(self.steps, config.window)
         if self.evals.maxlen != config.eval_points:
             self.evals = deque(self.evals, maxlen=config.eval_points)
 
@@ -80,7 +81,7 @@ class RewardHackingGuard(Guard):
     def after(self, batch: TransportBatch, report: StepReport) -> list[Finding]:
         if report.skipped_compute or not is_finite(report.reward_mean):
             return []
-        self.steps.append(_record(report))
+        self._push(_record(report))
         self._memo.clear()
         if not self.weights and len(batch.function_rewards) > 1:
             self.weights = _term_weights(batch)
@@ -238,10 +239,32 @@ class RewardHackingGuard(Guard):
         )
 
     # ----------------------------------------------------------------- helpers
+    def _keep_steps(self, records: Iterable[dict[str, Any]], window: int) -> None:
+        """The window of step records, and beside it each of `COLUMNS`' values and a count of
+        the audit rewards' names, which `_push` keeps in step: a step's rules read them
+        without a pass over the records."""
+        records = list(records)  # may be the old window itself
+        self.steps: deque[dict[str, Any]] = deque(maxlen=window)
+        self._columns = {key: deque(maxlen=window) for key in COLUMNS}
+        self._audited: Counter[str] = Counter()
+        self._memo: dict[Any, Any] = {}  # this step's series and trends (`after` clears it)
+        for record in records:
+            self._push(record)
+
+    def _push(self, record: dict[str, Any]) -> None:
+        if len(self.steps) == self.steps.maxlen:
+            self._audited.subtract(self.steps[0]["audits"].keys())
+        self.steps.append(record)
+        for key, column in self._columns.items():
+            column.append(record[key])
+        self._audited.update(record["audits"].keys())
+
     def _series(self, key: str) -> list[float]:
         found = self._memo.get(key)
         if found is None:
-            found = self._memo[key] = [r[key] for r in self.steps]
+            column = self._columns.get(key)
+            values = list(column) if column is not None else [r[key] for r in self.steps]
+            found = self._memo[key] = values
         return found
 
     def _trend(self, key: str) -> Trend:
@@ -255,7 +278,7 @@ class RewardHackingGuard(Guard):
         return [r["terms"].get(name, 0.0) for r in self.steps]
 
     def _audit_names(self) -> list[str]:
-        return sorted({name for r in self.steps for name in r["audits"]})
+        return sorted(name for name, count in self._audited.items() if count > 0)
 
     def _audits(self) -> list[tuple[str, list[float], list[int]]]:
         """Each audit reward's values over the window, with their positions in it (audited
@@ -328,7 +351,7 @@ class RewardHackingGuard(Guard):
         if not state:
             return
         try:
-            self.steps = deque((dict(r) for r in state["steps"]), maxlen=self.config.window)
+            self._keep_steps((dict(r) for r in state["steps"]), self.config.window)
             self.evals = deque(
                 ((int(s), float(v)) for s, v in state["evals"]), maxlen=self.config.eval_points
             )

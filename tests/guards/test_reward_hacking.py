@@ -205,3 +205,25 @@ def test_policy_runs_the_guard_and_takes_evals() -> None:
     assert list(policy.guards["reward_hacking"].evals) == [(10, 0.5)]
     saved = policy.state_dict()
     GuardPolicy().load_state_dict(saved)
+
+
+def test_the_windows_columns_and_audit_names_follow_the_records() -> None:
+    """What the rules read beside the records (each series, the audits' names) is the window's
+    own: an audit reward that left the window is no longer named, a resize or a restore keeps
+    them in step, and a saved record without a series is malformed state."""
+    guard = RewardHackingGuard(RewardHackingConfig(window=8, min_steps=4))
+    _run(guard, [_step(s, 0.1 * s, 0.05 * s) for s in range(6)])
+    _run(guard, [_step(s, 0.1 * s) for s in range(6, 14)])  # 8 steps without an audit
+    assert guard._audit_names() == []
+    assert guard._series("reward") == [r["reward"] for r in guard.steps]
+    guard.configure(RewardHackingConfig(window=4, min_steps=4))
+    assert guard._series("reward") == pytest.approx([1.0, 1.1, 1.2, 1.3])
+    _run(guard, [_step(14, 2.0, 1.0)])
+    assert guard._audit_names() == [AUDIT]
+    again = RewardHackingGuard(RewardHackingConfig(window=4, min_steps=4))
+    again.load_state_dict(guard.state_dict())
+    assert again._audit_names() == [AUDIT] and again._series("kl") == guard._series("kl")
+    state = guard.state_dict()
+    del state["steps"][0]["length"]
+    with pytest.raises(GuardsError, match="reward_hacking"):
+        again.load_state_dict(state)
