@@ -5,11 +5,11 @@ A W1 engine runs `--collect` real steps; their (batch, report) pairs are then fe
 turn, to two `GuardPolicy`s, one at the default windows and one with every window
 (`spike`, `gradnorm_vtc_correlation`, `clip`, `dead_campaign`, `reward_trend`, `entropy`,
 `reward_hacking`, `advantage`'s history) `--scale` times longer. Each policy first takes
-enough steps to fill its longest window, then `--steps` more are timed one by one
-(thread CPU). The guards keep running sums (guards/base.py `Window`), so the two should
-cost about the same; statistics recomputed from the whole window every step would cost
-about `--scale` times more in the second. This is the arithmetic alone, hot: inside the
-daemon's step the same hooks take 2-3x longer (bench/README.md).
+enough steps to fill its longest window, then `--steps` more each are timed one by one
+(thread CPU), the two taking turns. The guards keep running sums (guards/base.py `Window`),
+so the two should cost about the same; statistics recomputed from the whole window every
+step would cost about `--scale` times more in the second. This is the arithmetic alone,
+hot: inside the daemon's step the same hooks take longer (bench/README.md).
 
     .venv/bin/python bench/guard_windows.py [--scale 8] [--steps 600]
 """
@@ -69,23 +69,29 @@ def collect(steps: int) -> list[tuple[TransportBatch, StepReport]]:
     return pairs
 
 
-def after_cpu(config: GuardsConfig, pairs: list, steps: int) -> dict[str, float]:
-    """Fill the policy's windows, then time `steps` after-hooks: median and p90 microseconds."""
-    policy = GuardPolicy(config)
-    warm = longest(config) + 50
-    spent = []
-    for i in range(warm + steps):
+def after_cpu(configs: dict[str, GuardsConfig], pairs: list, steps: int) -> dict[str, dict]:
+    """Fill each policy's windows, then time `steps` after-hooks of each, the policies taking
+    turns step by step (a host that slows down meanwhile slows both): median and p90 us."""
+    policies = {name: GuardPolicy(config) for name, config in configs.items()}
+    for name, policy in policies.items():
+        for i in range(longest(configs[name]) + 50):
+            policy.after(*pairs[i % len(pairs)])
+    spent: dict[str, list[float]] = {name: [] for name in policies}
+    for i in range(steps):
         batch, report = pairs[i % len(pairs)]
-        started = time.thread_time_ns()
-        policy.after(batch, report)
-        if i >= warm:
-            spent.append((time.thread_time_ns() - started) / 1e3)
-    spent.sort()
-    return {
-        "median_us": round(statistics.median(spent), 1),
-        "p90_us": round(spent[int(0.9 * len(spent))], 1),
-        "longest_window": longest(config),
-    }
+        for name, policy in policies.items():
+            started = time.thread_time_ns()
+            policy.after(batch, report)
+            spent[name].append((time.thread_time_ns() - started) / 1e3)
+    out = {}
+    for name, values in spent.items():
+        values.sort()
+        out[name] = {
+            "median_us": round(statistics.median(values), 1),
+            "p90_us": round(values[int(0.9 * len(values))], 1),
+            "longest_window": longest(configs[name]),
+        }
+    return out
 
 
 def main() -> int:
@@ -95,8 +101,8 @@ def main() -> int:
     parser.add_argument("--collect", type=int, default=48, help="real W1 steps to feed in turn")
     args = parser.parse_args()
     pairs = collect(args.collect)
-    default = after_cpu(GuardsConfig(), pairs, args.steps)
-    large = after_cpu(scaled(args.scale), pairs, args.steps)
+    timed = after_cpu({"default": GuardsConfig(), "scaled": scaled(args.scale)}, pairs, args.steps)
+    default, large = timed["default"], timed["scaled"]
     emit(
         {
             "bench": "guard_windows",
