@@ -96,6 +96,8 @@ class Window:
 
     def append(self, value: float) -> None:
         value = float(value)
+        if self._values.maxlen == 0:  # holds nothing: the value is dropped, as a deque does
+            return
         if len(self._values) == self._values.maxlen:
             self._count(self._values[0], -1)
         self._values.append(value)
@@ -135,8 +137,8 @@ class Window:
         return self._sum / (n << self.scale)  # int / int: correctly rounded
 
     def moments(self) -> tuple[int, int, int]:
-        """(n, n x the sum, n^2 x the variance): exact, in units of 2**-scale and its
-        square; see `PairedWindow.pearson`."""
+        """(n, the sum, n^2 x the variance): exact, in units of 2**-scale and of its square;
+        see `PairedWindow.pearson`."""
         n = len(self._values)
         return n, self._sum, n * self._squares - self._sum * self._sum
 

@@ -46,7 +46,10 @@ def test_a_non_finite_value_reads_nan_until_it_leaves() -> None:
     assert math.isnan(window.mean())
     window.append(4.0)
     assert window.mean_std() == (3.0, 1.0)
-    assert len(Window(0)) == 0 and math.isnan(Window(3).mean())
+    assert math.isnan(Window(3).mean())
+    empty = Window(0, [1.0, 2.0])
+    empty.append(3.0)
+    assert len(empty) == 0 and math.isnan(empty.mean())
 
 
 def test_resize_and_keep_restart_the_sums_from_the_kept_values() -> None:
