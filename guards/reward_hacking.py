@@ -260,11 +260,10 @@ class RewardHackingGuard(Guard):
         self._audited.update(record["audits"].keys())
 
     def _series(self, key: str) -> list[float]:
+        """One of `COLUMNS` over the window, oldest first."""
         found = self._memo.get(key)
         if found is None:
-            column = self._columns.get(key)
-            values = list(column) if column is not None else [r[key] for r in self.steps]
-            found = self._memo[key] = values
+            found = self._memo[key] = list(self._columns[key])
         return found
 
     def _trend(self, key: str) -> Trend:
