@@ -13,7 +13,6 @@ counter expected / valid is 1 on every step and there is nothing to correlate.
 from __future__ import annotations
 
 import math
-from operator import mul
 from typing import TYPE_CHECKING, Any
 
 from grpod.guards.base import Guard, PairedWindow, Window, load_floats
@@ -24,17 +23,11 @@ if TYPE_CHECKING:  # annotations only: `grpod plot` uses the correlation without
 
 
 def pearson(xs: list[float], ys: list[float]) -> float | None:
-    """Pearson correlation in FP64; None with fewer than 2 points or a constant series."""
-    n = len(xs)
-    if n < 2 or n != len(ys):
+    """Pearson correlation, exact and rounded once (`PairedWindow.pearson`); None with fewer
+    than 2 points, unequal lengths or a constant series."""
+    if len(xs) != len(ys):
         return None
-    mx, my = math.fsum(xs) / n, math.fsum(ys) / n
-    dx, dy = [x - mx for x in xs], [y - my for y in ys]
-    sxx, syy = math.fsum(map(mul, dx, dx)), math.fsum(map(mul, dy, dy))
-    if sxx <= 0.0 or syy <= 0.0:
-        return None
-    sxy = math.fsum(map(mul, dx, dy))
-    return max(-1.0, min(1.0, sxy / math.sqrt(sxx * syy)))
+    return PairedWindow(max(len(xs), 1), xs, ys).pearson()
 
 
 def is_evidence(grad_norm: float, valid_tokens: float) -> bool:
