@@ -17,6 +17,7 @@ import os
 import struct
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -56,18 +57,44 @@ def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[
     if sys.byteorder != "little" or any(t.dtype not in _SAFETENSORS_DTYPES for _, t, _ in chunks):
         data = save({n: t.contiguous() for n, t, _ in chunks}, metadata=metadata)
         return digest, [data]
-    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for name, tensor, data in chunks:
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
+    layout = _header_tensors(tuple((name, t.dtype, t.shape) for name, t, _ in chunks))
+    if metadata:  # what json.dumps of {"__metadata__": metadata, **layout} writes
+        text = b'{"__metadata__":%s,%s' % (
+            json.dumps(metadata, separators=(",", ":")).encode(),
+            layout[1:],
+        )
+    else:
+        text = layout
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads
     return digest, [struct.pack("<Q", len(text)), text, *(data for _, _, data in chunks)]
+
+
+@lru_cache(maxsize=64)
+def _header_tensors(layout: tuple[tuple[str, torch.dtype, torch.Size], ...]) -> bytes:
+    """The header's JSON object of the tensors (name, dtype, shape) in order, each at its
+    offset: a run's batches repeat a few layouts, so each is written once."""
+    header: dict[str, object] = {}
+    offset = 0
+    for name, dtype, shape in layout:
+        size = shape.numel() * dtype.itemsize
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+@lru_cache(maxsize=256)
+def _fields(name: str, dtype: torch.dtype, shape: torch.Size) -> bytes:
+    """A tensor's name, dtype and shape as the digest hashes them, each length-prefixed (a
+    run's batches repeat a few, so each is encoded once)."""
+    out = []
+    for field in (name, str(dtype), ",".join(map(str, shape))):
+        encoded = field.encode()
+        out += (_LENGTH.pack(len(encoded)), encoded)
+    return b"".join(out)
 
 
 def _digest_and_chunks(
@@ -82,20 +109,19 @@ def _digest_and_chunks(
     a wait for the trainer to give it back."""
     stream: list[bytes | memoryview] = [b"grpod.blob/1\0"]  # the hashed bytes, in order
     chunks = []
+    size = 0  # the tensors' bytes (the fields around them are a few hundred more)
     for name in sorted(tensors):
         tensor, data = _bytes_of(tensors[name])
-        for field in (name, str(tensor.dtype), ",".join(map(str, tensor.shape))):
-            encoded = field.encode()
-            stream += (_LENGTH.pack(len(encoded)), encoded)
-        stream += (_LENGTH.pack(len(data)), data)
+        stream += (_fields(name, tensor.dtype, tensor.shape), _LENGTH.pack(len(data)), data)
         chunks.append((name, tensor, data))
+        size += len(data)
     stream.append(b"metadata\0")
     for key in sorted(metadata):
         for field in (key, metadata[key]):
             encoded = field.encode()
             stream += (_LENGTH.pack(len(encoded)), encoded)
     h = hashlib.sha256()
-    if sum(len(part) for part in stream) <= JOIN_BYTES:
+    if size <= JOIN_BYTES:
         h.update(b"".join(stream))  # one call: the writer gives up the GIL once, not per tensor
     else:
         for part in stream:  # a large batch's bytes as they lie: never copied
@@ -117,7 +143,7 @@ def _bytes_of(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview | bytes]:
     if not tensor.numel():
         return tensor, b""
     if (
-        tensor.device.type == "cpu"
+        tensor.is_cpu
         and not tensor.requires_grad
         and tensor.dtype in _NUMPY_DTYPES
         and tensor.is_contiguous()

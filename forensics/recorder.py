@@ -136,7 +136,10 @@ class FlightRecorder:
             self.store.check_schema()
         self.blobs = BlobStore(self.run_dir)
         # a blob row per digest, its first: no SELECT of the known digests before each insert
-        self._blob_insert = self.store.insert_keeping(Blob, "sha256")
+        self._blob_rows = self.store.rows_insert(self.store.insert_keeping(Blob, "sha256"))
+        self._step_rows = self.store.rows_insert(_STEP_INSERT)  # rows that need no id back
+        self._rank_rows = self.store.rows_insert(_RANK_INSERT)
+        self._ledger_rows = self.store.rows_insert(_LEDGER_INSERT)
         self.episodes = EpisodeTracker(self.config.incident_action, self.config.episode_gap_steps)
         self.run_id: str | None = None
         self.ledger: LedgerSpec | None = None  # None: no prompt ledger is written
@@ -422,7 +425,7 @@ class FlightRecorder:
                 )
                 for digest, blob in blobs.items()
             ]
-            conn.execute(self._blob_insert, rows)  # a digest the store has keeps its row
+            self._blob_rows(conn, rows)  # a digest the store has keeps its row
             plain: list[dict[str, Any]] = []  # rows that need no id: one executemany
             ranks: list[dict[str, Any]] = []  # rank rows of the group's distributed steps
             ledger = [prompt for staged in group for prompt in staged.ledger]
@@ -437,7 +440,7 @@ class FlightRecorder:
                     plain.append(staged.row)
                     continue
                 if plain:
-                    conn.execute(_STEP_INSERT, plain)
+                    self._step_rows(conn, plain)
                     plain = []
                 # bound parameters: the compiled INSERT is cached, not rebuilt from 40 literals
                 step_id = conn.execute(_STEP_INSERT, staged.row).inserted_primary_key[0]
@@ -450,12 +453,9 @@ class FlightRecorder:
                     new.append((episode, staged.row["num_samples"]))
                 for episode in seen.worse:
                     episode.worst_step_id = step_id
-            if plain:
-                conn.execute(_STEP_INSERT, plain)
-            if ranks:
-                conn.execute(_RANK_INSERT, ranks)
-            if ledger:  # the prompts' fates commit with their steps, in one executemany
-                conn.execute(_LEDGER_INSERT, ledger)
+            self._step_rows(conn, plain)
+            self._rank_rows(conn, ranks)
+            self._ledger_rows(conn, ledger)  # the prompts' fates commit with their steps
             for episode in touched.values():
                 opened += episode.incident_id is None
                 write_episode(session, self.store, self.run_id, episode)

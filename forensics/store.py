@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,11 @@ class Store:
         its values (ON CONFLICT DO NOTHING: SQLite and PostgreSQL spell it alike)."""
         dialect = sqlite if self.is_sqlite else postgresql
         return dialect.insert(model).on_conflict_do_nothing(index_elements=[key])
+
+    def rows_insert(self, statement: Insert) -> RowsInsert:
+        """`statement`, an INSERT of one table, run for many rows at a time by the driver
+        (`RowsInsert`)."""
+        return RowsInsert(statement, self.engine.dialect)
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -491,6 +497,66 @@ class Store:
             return str(path.relative_to(self.run_dir))
         except ValueError:
             return str(path)
+
+
+class RowsInsert:
+    """An INSERT of many rows of one table, run by the driver's own executemany.
+
+    SQLAlchemy's executemany builds and processes every row's parameters in Python, and on
+    SQLite it formats every row's timestamp. Here the statement is compiled once per set of
+    columns, the columns that need the dialect's processing (SQLite's DateTime text, its
+    Boolean) are found once, and a value the rows share (a group's timestamp, `False`) is
+    processed once per call. On the recorder's writer that cost ~0.3 ms a W1 step (a step
+    row, a blob row and 16 prompt rows) on a slow core. Rows given together share their
+    keys; errors are SQLAlchemy's (DBAPIError), as from `Connection.execute`."""
+
+    def __init__(self, statement: Insert, dialect: Any) -> None:
+        self.statement, self.dialect = statement, dialect
+        self._compiled: dict[tuple[str, ...], tuple[Any, ...]] = {}
+
+    def __call__(self, conn: Any, rows: list[dict[str, Any]]) -> None:
+        """Insert `rows` on `conn` (a Connection in the caller's transaction)."""
+        if not rows:
+            return
+        keys = tuple(rows[0])
+        plan = self._compiled.get(keys) or self._compile(keys)
+        sql, names, positional, processed = plan
+        values = (
+            list(map(itemgetter(*names), rows))
+            if len(names) > 1
+            else [(row[names[0]],) for row in rows]
+        )
+        if processed:
+            values = [list(v) for v in values]
+            for index, process in processed:
+                last = done = _UNSET  # a value the rows share (by identity) is processed once
+                for row in values:
+                    value = row[index]
+                    if value is not last:
+                        last, done = value, process(value)
+                    row[index] = done
+            values = list(map(tuple, values))  # the drivers take tuples or dicts
+        params = values if positional else [dict(zip(names, v)) for v in values]
+        conn.exec_driver_sql(sql, params)
+
+    def _compile(self, keys: tuple[str, ...]) -> tuple[Any, ...]:
+        compiled = self.statement.compile(dialect=self.dialect, column_keys=list(keys))
+        positional = bool(compiled.positional)
+        names = tuple(compiled.positiontup) if positional else keys
+        if set(names) - set(keys):  # a column default SQLAlchemy would fill in: none here
+            raise ValueError(f"rows_insert: rows lack the columns {sorted(set(names) - set(keys))}")
+        table = self.statement.table
+        processed = []
+        for index, name in enumerate(names):
+            process = table.c[name].type.dialect_impl(self.dialect).bind_processor(self.dialect)
+            if process is not None:
+                processed.append((index, process))
+        plan = (compiled.string, names, positional, tuple(processed))
+        self._compiled[keys] = plan
+        return plan
+
+
+_UNSET = object()
 
 
 def _sqlite_pragmas(engine: Engine, busy_timeout_ms: int) -> None:

@@ -3,6 +3,7 @@ a SIGKILL loses only held steps that were never acknowledged, and the store stay
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -192,6 +193,24 @@ def test_encode_writes_what_safetensors_reads() -> None:
     )
     header_length = int.from_bytes(data[:8], "little")
     assert (8 + header_length) % 8 == 0  # the tensor bytes start 8-byte aligned
+
+
+def test_encode_header_is_the_metadata_and_layout_of_each_batch() -> None:
+    """The tensors' part of the header is built once per layout: two batches of one layout
+    and different metadata (or none) each carry their own, in the bytes json.dumps writes."""
+    tensors = {"ids": torch.arange(6).reshape(2, 3), "mask": torch.ones(2, 3, dtype=torch.bool)}
+    for meta in ({"step": "1", "format": "x"}, {"step": "2"}, {}):
+        data = b"".join(encode(tensors, meta)[1])
+        length = int.from_bytes(data[:8], "little")
+        layout = {
+            "ids": {"dtype": "I64", "shape": [2, 3], "data_offsets": [0, 48]},
+            "mask": {"dtype": "BOOL", "shape": [2, 3], "data_offsets": [48, 54]},
+        }
+        header = {"__metadata__": meta, **layout} if meta else layout
+        assert (
+            data[8 : 8 + length].rstrip(b" ") == json.dumps(header, separators=(",", ":")).encode()
+        )
+        assert load(data)["ids"].tolist() == tensors["ids"].tolist()
 
 
 def test_a_digest_staged_twice_is_published_once(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +13,13 @@ import pytest
 import torch
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import func, select, text
+from sqlalchemy import func, insert, select, text
 
 from grpod.engine import Outcome, StepReport, StepResult, TransportBatch, Verdict
 from grpod.engine.context import ExecutionContext
 from grpod.engine.train.stats import mismatch_stats
 from grpod.forensics import BlobStore, FlightRecorder, ForensicsConfig, ForensicsError, Store
-from grpod.forensics.models import Base, Blob, Checkpoint, Incident, Run, Step
+from grpod.forensics.models import Base, Blob, Checkpoint, Incident, PromptFate, Run, Step
 from grpod.forensics.store import NotedCheckpoint, RunSummary
 from tests.batches import make_batch
 from tests.reports import make_report
@@ -172,6 +173,78 @@ def test_recorded_rows_round_trip(tmp_path: Path, store_url: str) -> None:
         run = session.get(Run, "r1")
         assert run.ended_at is not None and json.loads(run.config_json)["guards"] == {}
     store.close()
+
+
+def test_rows_insert_stores_what_sqlalchemy_stores(tmp_path: Path, store_url: str) -> None:
+    """The recorder's inserts (`RowsInsert`: the driver's executemany, a shared value processed
+    once) store what SQLAlchemy's executemany stores: aware timestamps shared by some rows and
+    not others, booleans, NULLs, bytes; a blob digest the store has keeps its first row."""
+    store = Store(tmp_path, store_url)
+    store.upgrade()
+    now = datetime(2026, 12, 5, 17, 1, 28, 123456, tzinfo=timezone.utc)
+    later = now + timedelta(seconds=1.5)
+    with store.session() as session:
+        session.add_all(
+            Run(
+                id=run,
+                run_dir=str(tmp_path),
+                config_json="{}",
+                config_digest="0" * 64,
+                versions_json="{}",
+                device="cpu",
+                started_at=now,
+                ended_at=None,
+            )
+            for run in ("fast", "plain")
+        )
+
+    def prompts(run: str) -> list[dict[str, Any]]:
+        return [
+            dict(
+                run_id=run,
+                step=i // 2,
+                fate="trained",
+                prompt_id=i,
+                epoch=None if i % 2 else 3,
+                epoch_size=512,
+                task_row=i,
+                generation_pass=0,
+                rank=0,
+                stale_drops=i,
+                reason="nan/loss" if i % 3 else "",
+                superseded=bool(i % 2),
+                recorded_at=now if i < 3 else later,
+            )
+            for i in range(5)
+        ]
+
+    def blob(digest: str, data: bytes) -> dict[str, Any]:
+        return dict(sha256=digest, size=len(data), kind="batch", path="", data=data, created_at=now)
+
+    keeping = store.insert_keeping(Blob, "sha256")
+    fast_blobs, fast_prompts = store.rows_insert(keeping), store.rows_insert(insert(PromptFate))
+    with store.session() as session:
+        conn = session.connection()
+        fast_prompts(conn, prompts("fast"))
+        conn.execute(insert(PromptFate), prompts("plain"))
+        fast_blobs(conn, [blob("a" * 64, b"\x00first"), blob("b" * 64, b"")])
+        fast_blobs(conn, [blob("a" * 64, b"second")])  # the store has it: the first is kept
+        fast_prompts(conn, [])  # nothing to insert: no statement
+    columns = [c for c in PromptFate.__table__.columns if c.name not in ("id", "run_id")]
+    with store.session() as session:
+        got = {
+            run: session.execute(
+                select(*columns).where(PromptFate.run_id == run).order_by(PromptFate.prompt_id)
+            ).all()
+            for run in ("fast", "plain")
+        }
+        blobs = session.execute(select(Blob.sha256, Blob.data).order_by(Blob.sha256)).all()
+    store.close()
+    assert got["fast"] == got["plain"] and len(got["fast"]) == 5
+    stamps = [row.recorded_at.replace(tzinfo=timezone.utc) for row in got["fast"]]
+    assert stamps == [now] * 3 + [later] * 2  # SQLite reads them back naive, in UTC
+    assert [row.superseded for row in got["fast"]] == [False, True, False, True, False]
+    assert [(d, bytes(data)) for d, data in blobs] == [("a" * 64, b"\x00first"), ("b" * 64, b"")]
 
 
 def test_a_batch_recorded_again_keeps_its_first_blob_row(tmp_path: Path, store_url: str) -> None:
