@@ -8,6 +8,7 @@ serialises with a fast path for the usual all-finite value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from typing import Any
@@ -18,17 +19,48 @@ NON_FINITE = ("nan", "inf", "-inf")  # repr() of the non-finite floats
 def to_json(value: Any) -> Any:
     """A JSON-ready copy of `value`: non-finite floats as 'nan'/'inf'/'-inf', dataclass
     instances as dicts of their fields, tuples as lists; containers are copied (a snapshot a
-    writer thread may serialise while its owner moves on), other values returned as they are."""
+    writer thread may serialise while its owner moves on), other values returned as they are.
+
+    The exact built-in types are told apart by `type()` first, and a dataclass's field names
+    are looked up once per class: the recorder's writer turns every step's report into JSON
+    this way (~70 values a W1 step; `dataclasses.fields` alone was ~40 us of it a step)."""
+    kind = type(value)
+    if kind is float:
+        return value if math.isfinite(value) else repr(value)
+    if kind in _AS_IS:
+        return value
+    if kind is list or kind is tuple:
+        return [to_json(v) for v in value]
+    if kind is dict:
+        return {k: to_json(v) for k, v in value.items()}
+    names = _field_names(kind)
+    if names is not None:
+        return {name: to_json(getattr(value, name)) for name in names}
+    return _subclass_to_json(value)
+
+
+_AS_IS = frozenset({int, str, bool, type(None)})
+
+
+@functools.lru_cache(maxsize=256)
+def _field_names(kind: type) -> tuple[str, ...] | None:
+    """A dataclass's field names, in order (None: `kind` is not a dataclass)."""
+    if not dataclasses.is_dataclass(kind):
+        return None
+    return tuple(f.name for f in dataclasses.fields(kind))
+
+
+def _subclass_to_json(value: Any) -> Any:
+    """`to_json` of a value whose type is none of the above: a subclass of float, int, str,
+    list, tuple or dict (an IntEnum, numpy's float64), or anything else, returned as is."""
     if isinstance(value, float):
         return value if math.isfinite(value) else repr(value)
-    if value is None or isinstance(value, (int, str)):
+    if isinstance(value, (int, str)):
         return value
     if isinstance(value, (list, tuple)):
         return [to_json(v) for v in value]
     if isinstance(value, dict):
         return {k: to_json(v) for k, v in value.items()}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
     return value
 
 
