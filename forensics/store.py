@@ -540,9 +540,11 @@ class RowsInsert:
         conn.exec_driver_sql(sql, params)
 
     def _compile(self, keys: tuple[str, ...]) -> tuple[Any, ...]:
-        compiled = self.statement.compile(dialect=self.dialect, column_keys=list(keys))
+        compiled = self.statement.compile(  # for executemany: no RETURNING of the ids
+            dialect=self.dialect, column_keys=list(keys), for_executemany=True
+        )
         positional = bool(compiled.positional)
-        names = tuple(compiled.positiontup) if positional else keys
+        names = tuple(compiled.positiontup if positional else compiled.binds)
         if set(names) - set(keys):  # a column default SQLAlchemy would fill in: none here
             raise ValueError(f"rows_insert: rows lack the columns {sorted(set(names) - set(keys))}")
         table = self.statement.table

@@ -230,6 +230,9 @@ def test_rows_insert_stores_what_sqlalchemy_stores(tmp_path: Path, store_url: st
         fast_blobs(conn, [blob("a" * 64, b"\x00first"), blob("b" * 64, b"")])
         fast_blobs(conn, [blob("a" * 64, b"second")])  # the store has it: the first is kept
         fast_prompts(conn, [])  # nothing to insert: no statement
+        lacking = [{k: v for k, v in prompts("fast")[0].items() if k != "superseded"}]
+        with pytest.raises(ValueError, match="superseded"):  # a default it would not fill in
+            fast_prompts(conn, lacking)
     columns = [c for c in PromptFate.__table__.columns if c.name not in ("id", "run_id")]
     with store.session() as session:
         got = {
