@@ -504,11 +504,12 @@ class RowsInsert:
 
     SQLAlchemy's executemany builds and processes every row's parameters in Python, and on
     SQLite it formats every row's timestamp. Here the statement is compiled once per set of
-    columns, the columns that need the dialect's processing (SQLite's DateTime text, its
-    Boolean) are found once, and a value the rows share (a group's timestamp, `False`) is
-    processed once per call. On the recorder's writer that cost ~0.3 ms a W1 step (a step
-    row, a blob row and 16 prompt rows) on a slow core. Rows given together share their
-    keys; errors are SQLAlchemy's (DBAPIError), as from `Connection.execute`."""
+    columns, the columns that need the dialect's processing (on SQLite its DateTime text, its
+    Boolean and Float) are found once, and a value consecutive rows share (a group's
+    timestamp, `False`) is processed once. On the recorder's writer SQLAlchemy's way cost
+    ~0.25 ms more a W1 step (a step row, a blob row and 16 prompt rows) on a slow core. Rows
+    given together share their keys; errors are SQLAlchemy's (DBAPIError), as from
+    `Connection.execute`."""
 
     def __init__(self, statement: Insert, dialect: Any) -> None:
         self.statement, self.dialect = statement, dialect
