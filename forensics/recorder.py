@@ -1,19 +1,22 @@
 """`FlightRecorder`: every step's TransportBatch and StepReport, recorded off the critical path.
 
-`record()` hands the step to a writer thread through a bounded queue; a full queue blocks the
-trainer (and is counted in `blocked_total`), it never drops a step. The writer commits in
-groups (`commit_every_steps` steps, or `commit_interval_seconds` after the first of them),
-holding up to `queue_size` of a group's batches (and HOLD_BYTES) in memory, beyond which it
-stages them early. At the commit each batch blob is serialised: one of at most
-`inline_blob_bytes` into memory, for its row; a larger one into a temp file, and every such
-file is fsynced and renamed into place, the directory fsynced once. Then one transaction adds
-the blob rows (with the inline bytes), the step rows, for a distributed step a row per rank
-naming its slice of the step's global blob (forensics/ranks.py), and with `start_run(ledger=)`
-a row per prompt of each step, its fate (forensics/ledger.py): a group of small
-batches costs one fsync of the store, not one per batch. A step that opens an incident (an
-episode of a finding, forensics/episodes.py) commits its group at once; so do a noted
-checkpoint (the steps before it first), `drain()` and `close()`. A crash loses at most the
-uncommitted steps, all after the last noted checkpoint, which a resumed run re-runs.
+`record()` hands the step to a writer thread through a bounded inbox (`_Inbox`); a full inbox
+blocks the trainer (and is counted in `blocked_total`), it never drops a step. The writer
+commits in groups (`commit_every_steps` steps, or `commit_interval_seconds` after the first of
+them), holding up to `queue_size` of a group's batches (and HOLD_BYTES) in memory, beyond which
+it stages them early. It is woken when a group is due, not once per step: a step waits in the
+inbox until its group is full or its interval is up, unless its verdict is at `incident_action`
+or above (it may open an incident) or the inbox is full. At the commit each batch blob is
+serialised: one of at most `inline_blob_bytes` into memory, for its row; a larger one into a
+temp file, and every such file is fsynced and renamed into place, the directory fsynced once.
+Then one transaction adds the blob rows (with the inline bytes), the step rows, for a
+distributed step a row per rank naming its slice of the step's global blob
+(forensics/ranks.py), and with `start_run(ledger=)` a row per prompt of each step, its fate
+(forensics/ledger.py): a group of small batches costs one fsync of the store, not one per
+batch. A step that opens an incident (an episode of a finding, forensics/episodes.py) commits
+its group at once; so do a noted checkpoint (the steps before it first), `drain()` and
+`close()`. A crash loses at most the uncommitted steps, all after the last noted checkpoint,
+which a resumed run re-runs.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import contextlib
 import hashlib
 import json
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -63,6 +65,8 @@ class _StepItem:
 
     result: StepResult
     rerun: bool
+    arrived: float = 0.0  # time.monotonic() at record(): its group commits by arrived + interval
+    nbytes: int = 0  # its batch's tensor bytes
     report: dict[str, Any] = field(default_factory=dict)  # StepReport.to_dict()
     verdict: dict[str, Any] = field(default_factory=dict)
     outcome: str = ""
@@ -110,8 +114,64 @@ _STOP = object()
 _COMMIT = object()  # drain(): commit what is held now
 
 
+class _Inbox:
+    """The trainer's hand-off to the writer: a list under one lock, with conditions for the
+    writer (work is due), the trainer (room in a full inbox) and `drain()` (items done).
+
+    `put` wakes the writer only when it must act: an urgent item (anything but a plain step:
+    a step whose verdict is at `incident_action` or above, a checkpoint, an eval, a drain,
+    the stop), a group that `put` made full (the writer's held steps and the inbox's), a full
+    inbox, batches over HOLD_BYTES (the writer's and the inbox's: the writer stages them), or
+    a first step while the writer waits with nothing uncommitted (its interval starts).
+    Otherwise the step waits here and the writer takes the whole group in one wake-up at its
+    deadline, instead of one wake-up (and one hand-off of the GIL) per step."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.items: list[Any] = []
+        self.lock = threading.Lock()
+        self.due = threading.Condition(self.lock)  # the writer waits for work
+        self.room = threading.Condition(self.lock)  # a trainer waits for room
+        self.done = threading.Condition(self.lock)  # drain() waits for its item
+        self.urgent = False  # an item the writer must take now
+        self.idle = False  # the writer waits with nothing uncommitted (no deadline)
+        self.held = 0  # the writer's uncommitted steps, as of its last wait (under the lock)
+        self.held_bytes = 0  # the tensor bytes of its batches held in memory, as of then
+        self.bytes = 0  # the tensor bytes of the inbox's batches
+        self.put_total = self.done_total = 0
+
+    def put(self, item: Any, urgent: bool, group: int, nbytes: int = 0) -> tuple[int, bool]:
+        """Append `item` (a batch of `nbytes`); (its sequence number for `wait_done`, whether
+        the inbox was full)."""
+        with self.lock:
+            blocked = False
+            while len(self.items) >= self.size:
+                blocked = self.urgent = True
+                self.due.notify()
+                self.room.wait()
+            self.items.append(item)
+            self.put_total += 1
+            self.bytes += nbytes
+            if urgent or self.held_bytes + self.bytes > HOLD_BYTES:
+                self.urgent = True
+            if self.urgent or self.idle or self.held + len(self.items) >= group:
+                self.due.notify()
+            return self.put_total, blocked
+
+    def wait_done(self, number: int) -> None:
+        """Until the writer has taken and handled the `number`th item."""
+        with self.lock:
+            while self.done_total < number:
+                self.done.wait()
+
+    def mark_done(self, count: int) -> None:
+        with self.lock:
+            self.done_total += count
+            self.done.notify_all()
+
+
 class FlightRecorder:
-    """Records one run directory's steps; one writer thread, one bounded queue."""
+    """Records one run directory's steps; one writer thread, one bounded inbox."""
 
     def __init__(
         self,
@@ -151,25 +211,29 @@ class FlightRecorder:
         self.write_seconds_total = 0.0  # the writer's busy time (blob files and rows)
         self.write_cpu_seconds_total = 0.0  # the writer thread's CPU time in that work
         self.commits_total = 0  # transactions that committed steps
+        self.takes_total = 0  # the writer's wake-ups with work: each takes the whole inbox
         self._error: BaseException | None = None
         # uncommitted steps, oldest first: held in memory, or staged (writer thread only)
         self._group: list[_StepItem | _Staged] = []
         self._held = self._held_bytes = 0  # held (not yet staged) batches, their tensor bytes
         self._inline_bytes = 0  # bytes of the group's staged inline blobs (in memory)
         self._group_deadline = 0.0  # time.monotonic() by which the group commits
-        self._queue: queue.Queue = queue.Queue(maxsize=self.config.queue_size)
+        self._inbox = _Inbox(self.config.queue_size)
         self._thread = threading.Thread(target=self._write_loop, name="grpod-recorder", daemon=True)
         self._thread.start()
 
     @property
     def queue_depth(self) -> int:
-        """Steps waiting for the writer."""
-        return self._queue.qsize()
+        """Items (steps, checkpoints, evals) in the inbox, not yet taken by the writer."""
+        return len(self._inbox.items)
 
     @property
     def uncommitted_steps(self) -> int:
-        """Steps the writer has taken from the queue and not yet committed."""
-        return len(self._group)
+        """Steps recorded and not yet committed: in the inbox or held by the writer."""
+        inbox = self._inbox
+        with inbox.lock:
+            waiting = sum(isinstance(item, _StepItem) for item in inbox.items)
+            return waiting + len(self._group)
 
     # ----------------------------------------------------------------- trainer side
     def start_run(
@@ -219,7 +283,10 @@ class FlightRecorder:
         self._raise_failure()
         if self.run_id is None:
             raise ForensicsError("flight recorder: record() before start_run()")
-        self._put(_StepItem(result, rerun))
+        # a finding at incident_action or above may open an incident: durable at once
+        urgent = int(result.verdict.action) >= self.episodes.rank
+        nbytes = sum(t.nbytes for t in result.batch.tensors().values())
+        self._put(_StepItem(result, rerun, time.monotonic(), nbytes), urgent=urgent, nbytes=nbytes)
 
     def note_checkpoint(self, step: int, path: str | os.PathLike) -> None:
         """A checkpoint taken with engine.step == `step` (the state before step `step`)."""
@@ -240,15 +307,15 @@ class FlightRecorder:
 
     def drain(self) -> None:
         """Wait until everything queued so far is committed (blobs fsynced, rows committed)."""
-        if self._thread.is_alive():
-            self._queue.put(_COMMIT)  # not counted as blocked: the caller asked to wait
-        self._queue.join()
+        if self._thread.is_alive():  # not counted as blocked: the caller asked to wait
+            number, _ = self._inbox.put(_COMMIT, True, self.config.commit_every_steps)
+            self._inbox.wait_done(number)
         self._raise_failure()
 
     def close(self) -> None:
         """Commit everything queued, stop the writer, mark the run ended."""
         if self._thread.is_alive():
-            self._queue.put(_STOP)
+            self._inbox.put(_STOP, True, self.config.commit_every_steps)
             self._thread.join()
         try:
             self._raise_failure()
@@ -258,12 +325,9 @@ class FlightRecorder:
         finally:
             self.store.close()
 
-    def _put(self, item: Any) -> None:
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            self.blocked_total += 1
-            self._queue.put(item)
+    def _put(self, item: Any, *, urgent: bool = True, nbytes: int = 0) -> None:
+        _, blocked = self._inbox.put(item, urgent, self.config.commit_every_steps, nbytes)
+        self.blocked_total += blocked
 
     def _raise_failure(self) -> None:
         if self._error is not None:
@@ -274,23 +338,52 @@ class FlightRecorder:
         # Linux nice is per thread: the trainer's threads win any contention for a core.
         with contextlib.suppress(AttributeError, OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        inbox = self._inbox
         while True:
-            timeout = None
-            if self._group and self._error is None:
-                timeout = max(0.0, self._group_deadline - time.monotonic())
+            items = self._take()
             try:
-                item = self._queue.get(timeout=timeout)
-            except queue.Empty:  # the oldest held step has waited commit_interval_seconds
-                self._work(self._commit)
-                continue
-            try:
-                if item is _STOP:
-                    self._work(self._commit)
-                    self._work(self._close_episodes)
-                    return
-                self._work(self._write, item)
+                for item in items:
+                    if item is _STOP:
+                        self._work(self._commit)
+                        self._work(self._close_episodes)
+                        return
+                    self._work(self._write, item)
+                if self._group and time.monotonic() >= self._group_deadline:
+                    self._work(self._commit)  # the oldest held step waited its interval
             finally:
-                self._queue.task_done()
+                inbox.mark_done(len(items))
+
+    def _take(self) -> list[Any]:
+        """Wait until work is due (module doc), then take everything in the inbox."""
+        inbox, every = self._inbox, self.config.commit_every_steps
+        interval = self.config.commit_interval_seconds
+        with inbox.lock:
+            while not inbox.urgent:
+                held = inbox.held = len(self._group)
+                inbox.held_bytes = self._held_bytes
+                if held + len(inbox.items) >= every:
+                    break
+                if self._error is not None:  # nothing is written: take items as they come
+                    deadline = None if not inbox.items else 0.0
+                elif held:
+                    deadline = self._group_deadline
+                elif inbox.items:  # the steps' arrival: the oldest commits by its deadline
+                    deadline = inbox.items[0].arrived + interval
+                else:
+                    deadline = None
+                inbox.idle = deadline is None
+                if deadline is not None:
+                    timeout = deadline - time.monotonic()
+                    if timeout <= 0:
+                        break
+                    inbox.due.wait(timeout)
+                else:
+                    inbox.due.wait()
+            inbox.urgent = inbox.idle = False
+            items, inbox.items, inbox.bytes = inbox.items, [], 0
+            inbox.room.notify_all()
+        self.takes_total += 1
+        return items
 
     def _work(self, job: Any, *args: Any) -> None:
         """Run one writer job, timed; the first failure stops all writing (the queue still
@@ -347,11 +440,11 @@ class FlightRecorder:
         one handoff of the GIL instead of one per step), or earlier once `queue_size` batches
         or HOLD_BYTES are held (then they are staged into temp files, out of memory)."""
         if not self._group:
-            self._group_deadline = time.monotonic() + self.config.commit_interval_seconds
+            self._group_deadline = item.arrived + self.config.commit_interval_seconds
         item.take()
         item.seen = self.episodes.observe(item.report["step"], item.verdict["findings"])
         self._held += 1
-        self._held_bytes += sum(t.nbytes for t in item.batch.tensors().values())
+        self._held_bytes += item.nbytes
         if self._held >= self.config.queue_size or self._held_bytes > HOLD_BYTES:
             self._stage_held(item)  # memory: at most queue_size batches queued and as many held
         else:

@@ -23,7 +23,7 @@ def main(run_dir: str, inline_bytes: str) -> None:
         recorder.record(decided(tiny_batch(step), tiny_report(step), verdict, "applied"))
     for step in (8, 9):  # held, not acknowledged
         recorder.record(decided(tiny_batch(step), tiny_report(step), PASS, "applied"))
-    while recorder.uncommitted_steps < 2 or recorder.queue_depth:
+    while recorder.recorded_total < 8 or recorder.uncommitted_steps < 2:
         time.sleep(0.001)
     print(recorder.recorded_total, recorder.uncommitted_steps, flush=True)
     time.sleep(3600)

@@ -98,6 +98,25 @@ def test_steps_commit_in_groups_incidents_and_checkpoints_at_once(tmp_path: Path
     ]
 
 
+def test_the_writer_takes_a_group_in_one_wake_up(tmp_path: Path) -> None:
+    config = ForensicsConfig(commit_every_steps=8, commit_interval_seconds=3600, queue_size=8)
+    recorder = FlightRecorder(tmp_path, config)
+    recorder.start_run("r", {"engine": {}}, {}, "cpu")
+    for step in range(7):
+        recorder.record(decided(tiny_batch(step), tiny_report(step), PASS, "applied"))
+    # the first step only started the group's interval: all seven wait, none is taken
+    assert recorder.queue_depth == 7 and recorder.uncommitted_steps == 7
+    assert recorder.takes_total == 0
+    recorder.record(decided(tiny_batch(7), tiny_report(7), PASS, "applied"))  # a full group
+    wait_for(lambda: recorder.recorded_total == 8, "the group committed")
+    assert recorder.takes_total == 1 and recorder.commits_total == 1
+    assert stored(tmp_path)[0] == list(range(8))
+    recorder.record(decided(tiny_batch(8), tiny_report(8), WARN, "applied"))  # at once
+    wait_for(lambda: recorder.recorded_total == 9, "the incident's step committed")
+    assert recorder.takes_total == 2 and stored(tmp_path)[1] == [8]
+    recorder.close()
+
+
 def test_a_quiet_group_commits_after_the_interval(tmp_path: Path) -> None:
     config = ForensicsConfig(commit_every_steps=1000, commit_interval_seconds=0.05)
     recorder = FlightRecorder(tmp_path, config)
@@ -163,9 +182,13 @@ def test_held_batches_past_the_memory_cap_are_staged_early(
     recorder.start_run("r", {"engine": {}}, {}, "cpu")
     for step in range(3):
         recorder.record(decided(tiny_batch(step), tiny_report(step), PASS, "applied"))
-    wait_for(lambda: recorder.uncommitted_steps == 3, "three held steps")
-    temps = [p for p in recorder.blobs.root.iterdir() if p.name.startswith(TEMP_PREFIX)]
-    assert len(temps) == 3 and stored(tmp_path)[0] == []  # on disk, not yet committed
+
+    def temps() -> list[Path]:
+        return [p for p in recorder.blobs.root.iterdir() if p.name.startswith(TEMP_PREFIX)]
+
+    # each batch over the cap wakes the writer, which stages it: on disk, not yet committed
+    wait_for(lambda: len(temps()) == 3, "three staged batches")
+    assert stored(tmp_path)[0] == [] and recorder.uncommitted_steps == 3
     recorder.close()
     assert stored(tmp_path)[0] == [0, 1, 2]
     assert fsck(tmp_path).ok and not fsck(tmp_path).notes
