@@ -3,8 +3,10 @@
 Three sides in one process: the bare engine, the daemon as it runs (`monitored`) and the same
 daemon with one part off (`without`): `guards` (every guard disabled through
 `GuardPolicy.reload`, their history kept), `recorder` (`record()` a no-op: those blocks' steps
-are not stored), `ledger` (the recorder without its prompt ledger), or `nothing` (the two
-daemon sides alike: the calibration, whose share should read 0 within its interval). Blocks
+are not stored), `ledger` (the recorder without its prompt ledger), `group-wake` (the writer
+woken for every step, as before its inbox held a group's steps: a negative share is what
+waking it once per group saves), or `nothing` (the two daemon sides alike: the calibration,
+whose share should read 0 within its interval). Blocks
 of `--block` steps, each daemon block ended by the recorder's drain, as in `overhead.py`.
 
 The three sides cycle through all six orders, so each runs first, second and third, and after
@@ -49,7 +51,11 @@ ORDERS = list(itertools.permutations(SIDES))  # each side in each place, after e
 def switch(daemon: Daemon, part: str) -> Callable[[bool], None]:
     """`on(False)` switches `part` off in `daemon`, `on(True)` back on."""
     recorder, policy = daemon.recorder, daemon.policy
-    record, ledger = recorder.record, recorder.ledger
+    record, ledger, put = recorder.record, recorder.ledger, recorder._put
+
+    def put_waking(item: object, *, urgent: bool = True, nbytes: int = 0) -> None:
+        put(item, urgent=True, nbytes=nbytes)  # every step wakes the writer
+
     guards = policy.config.model_dump()
     disabled = {
         name: {**section, "enabled": False}
@@ -66,6 +72,8 @@ def switch(daemon: Daemon, part: str) -> Callable[[bool], None]:
         elif part == "ledger":
             recorder.drain()  # the writer is idle: it reads `ledger` at its next commit
             recorder.ledger = ledger if state else None
+        elif part == "group-wake":
+            recorder._put = put if state else put_waking  # type: ignore[method-assign]
 
     return on
 
@@ -113,7 +121,9 @@ def campaign(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--without", choices=("guards", "recorder", "ledger", "nothing"))
+    parser.add_argument(
+        "--without", choices=("guards", "recorder", "ledger", "group-wake", "nothing")
+    )
     parser.add_argument("--rounds", type=int, default=42, help="a multiple of 6: every order")
     parser.add_argument("--block", type=int, default=ForensicsConfig().commit_every_steps)
     args = parser.parse_args()
