@@ -233,7 +233,12 @@ FAMILIES = (
         "Unix time the last step finished",
         mode="max",
     ),
-    Family("recorder_queue_depth", G, "recorder_queue_depth", "Steps waiting to be recorded"),
+    Family(
+        "recorder_queue_depth",
+        G,
+        "recorder_queue_depth",
+        "Steps (and checkpoints, evals) in the recorder's inbox, not yet taken by its writer",
+    ),
     Family(
         "recorder_uncommitted_steps",
         G,

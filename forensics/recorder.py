@@ -118,13 +118,15 @@ class _Inbox:
     """The trainer's hand-off to the writer: a list under one lock, with conditions for the
     writer (work is due), the trainer (room in a full inbox) and `drain()` (items done).
 
-    `put` wakes the writer only when it must act: an urgent item (anything but a plain step:
-    a step whose verdict is at `incident_action` or above, a checkpoint, an eval, a drain,
-    the stop), a group that `put` made full (the writer's held steps and the inbox's), a full
-    inbox, batches over HOLD_BYTES (the writer's and the inbox's: the writer stages them), or
-    a first step while the writer waits with nothing uncommitted (its interval starts).
-    Otherwise the step waits here and the writer takes the whole group in one wake-up at its
-    deadline, instead of one wake-up (and one hand-off of the GIL) per step."""
+    `put` wakes the writer only when it must act: an urgent item (anything but a plain step: a
+    step whose verdict is at `incident_action` or above, a checkpoint, an eval, a drain, the
+    stop), a group that `put` made full (the writer's held steps and the inbox's), an inbox
+    that `put` made full (`queue_size`: the writer takes it before the next `put` has to wait,
+    as the old queue drained a step at a time), batches over HOLD_BYTES (the writer's and the
+    inbox's: the writer stages them), or a first step while the writer waits with nothing
+    uncommitted (its interval starts). Otherwise the step waits here and the writer takes the
+    whole group in one wake-up at its deadline, instead of one wake-up (and one hand-off of the
+    GIL) per step."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -154,7 +156,8 @@ class _Inbox:
             self.bytes += nbytes
             if urgent or self.held_bytes + self.bytes > HOLD_BYTES:
                 self.urgent = True
-            if self.urgent or self.idle or self.held + len(self.items) >= group:
+            full = len(self.items) >= self.size or self.held + len(self.items) >= group
+            if self.urgent or self.idle or full:
                 self.due.notify()
             return self.put_total, blocked
 
@@ -219,6 +222,7 @@ class FlightRecorder:
         self._inline_bytes = 0  # bytes of the group's staged inline blobs (in memory)
         self._group_deadline = 0.0  # time.monotonic() by which the group commits
         self._inbox = _Inbox(self.config.queue_size)
+        self._taken: list[Any] = []  # items the writer took and has not handled yet
         self._thread = threading.Thread(target=self._write_loop, name="grpod-recorder", daemon=True)
         self._thread.start()
 
@@ -229,11 +233,11 @@ class FlightRecorder:
 
     @property
     def uncommitted_steps(self) -> int:
-        """Steps recorded and not yet committed: in the inbox or held by the writer."""
+        """Steps recorded and not yet committed: in the inbox, taken by the writer, or held."""
         inbox = self._inbox
         with inbox.lock:
-            waiting = sum(isinstance(item, _StepItem) for item in inbox.items)
-            return waiting + len(self._group)
+            waiting = [*inbox.items, *self._taken]
+            return sum(isinstance(item, _StepItem) for item in waiting) + len(self._group)
 
     # ----------------------------------------------------------------- trainer side
     def start_run(
@@ -340,9 +344,12 @@ class FlightRecorder:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         inbox = self._inbox
         while True:
-            items = self._take()
+            items = self._taken = self._take()
+            count = len(items)
+            items.reverse()  # popped oldest first: a handled step's batch is not kept alive
             try:
-                for item in items:
+                while items:
+                    item = items.pop()
                     if item is _STOP:
                         self._work(self._commit)
                         self._work(self._close_episodes)
@@ -351,7 +358,7 @@ class FlightRecorder:
                 if self._group and time.monotonic() >= self._group_deadline:
                     self._work(self._commit)  # the oldest held step waited its interval
             finally:
-                inbox.mark_done(len(items))
+                inbox.mark_done(count)
 
     def _take(self) -> list[Any]:
         """Wait until work is due (module doc), then take everything in the inbox."""
@@ -361,10 +368,10 @@ class FlightRecorder:
             while not inbox.urgent:
                 held = inbox.held = len(self._group)
                 inbox.held_bytes = self._held_bytes
-                if held + len(inbox.items) >= every:
-                    break
                 if self._error is not None:  # nothing is written: take items as they come
                     deadline = None if not inbox.items else 0.0
+                elif held + len(inbox.items) >= every or len(inbox.items) >= inbox.size:
+                    break
                 elif held:
                     deadline = self._group_deadline
                 elif inbox.items:  # the steps' arrival: the oldest commits by its deadline

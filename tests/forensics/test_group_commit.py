@@ -15,19 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load, save
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 
 from grpod.forensics import (
     BlobStore,
     FlightRecorder,
     ForensicsConfig,
+    ForensicsError,
     Store,
     canonical_digest,
     fsck,
 )
 from grpod.forensics import recorder as recorder_module
 from grpod.forensics.blobs import TEMP_PREFIX, encode
-from grpod.forensics.models import Blob, Checkpoint, Incident, Step
+from grpod.forensics.models import Blob, Checkpoint, Incident, Run, Step
 from tests.forensics.test_store import PASS, WARN, decided, tiny_batch, tiny_report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,6 +118,38 @@ def test_the_writer_takes_a_group_in_one_wake_up(tmp_path: Path) -> None:
     recorder.close()
 
 
+def test_a_full_inbox_wakes_the_writer_before_the_trainer_must_wait(tmp_path: Path) -> None:
+    config = ForensicsConfig(commit_every_steps=16, commit_interval_seconds=3600, queue_size=2)
+    recorder = FlightRecorder(tmp_path, config)
+    recorder.start_run("r", {"engine": {}}, {}, "cpu")
+    for step in range(8):
+        recorder.record(decided(tiny_batch(step), tiny_report(step), PASS, "applied"))
+        # every second step fills the inbox: the writer takes both (none waits for it)
+        wait_for(lambda: recorder.queue_depth < 2, "the full inbox taken")
+    wait_for(lambda: recorder.queue_depth == 0, "the last pair taken")
+    assert recorder.takes_total == 4 and recorder.blocked_total == 0
+    assert recorder.uncommitted_steps == 8 and recorder.recorded_total == 0
+    recorder.close()
+    assert stored(tmp_path)[0] == list(range(8))
+
+
+def test_a_failed_commit_leaves_the_writer_waiting_not_spinning(tmp_path: Path) -> None:
+    recorder = FlightRecorder(tmp_path, ForensicsConfig(commit_every_steps=2))
+    recorder.start_run("r", {"engine": {}}, {}, "cpu")
+    with recorder.store.session() as session:  # the step rows' run vanishes: the commit fails
+        session.execute(delete(Run))
+    for step in range(2):  # a full group: its commit fails, the group stays held
+        recorder.record(decided(tiny_batch(step), tiny_report(step), PASS, "applied"))
+    wait_for(lambda: recorder._error is not None, "the failed commit")
+    takes = recorder.takes_total
+    time.sleep(0.2)  # a writer looping on its full group would take thousands of times here
+    assert recorder.takes_total == takes
+    with pytest.raises(ForensicsError, match="flight recorder failed"):
+        recorder.drain()
+    with pytest.raises(ForensicsError, match="flight recorder failed"):
+        recorder.close()
+
+
 def test_a_quiet_group_commits_after_the_interval(tmp_path: Path) -> None:
     config = ForensicsConfig(commit_every_steps=1000, commit_interval_seconds=0.05)
     recorder = FlightRecorder(tmp_path, config)
@@ -188,7 +221,8 @@ def test_held_batches_past_the_memory_cap_are_staged_early(
 
     # each batch over the cap wakes the writer, which stages it: on disk, not yet committed
     wait_for(lambda: len(temps()) == 3, "three staged batches")
-    assert stored(tmp_path)[0] == [] and recorder.uncommitted_steps == 3
+    wait_for(lambda: recorder.uncommitted_steps == 3, "three held steps")
+    assert stored(tmp_path)[0] == []
     recorder.close()
     assert stored(tmp_path)[0] == [0, 1, 2]
     assert fsck(tmp_path).ok and not fsck(tmp_path).notes
