@@ -222,7 +222,7 @@ class FlightRecorder:
         self._inline_bytes = 0  # bytes of the group's staged inline blobs (in memory)
         self._group_deadline = 0.0  # time.monotonic() by which the group commits
         self._inbox = _Inbox(self.config.queue_size)
-        self._taken: list[Any] = []  # items the writer took and has not handled yet
+        self._taken_steps = 0  # steps the writer took and has not committed (writer thread)
         self._thread = threading.Thread(target=self._write_loop, name="grpod-recorder", daemon=True)
         self._thread.start()
 
@@ -236,8 +236,8 @@ class FlightRecorder:
         """Steps recorded and not yet committed: in the inbox, taken by the writer, or held."""
         inbox = self._inbox
         with inbox.lock:
-            waiting = [*inbox.items, *self._taken]
-            return sum(isinstance(item, _StepItem) for item in waiting) + len(self._group)
+            waiting = sum(isinstance(item, _StepItem) for item in inbox.items)
+            return waiting + self._taken_steps
 
     # ----------------------------------------------------------------- trainer side
     def start_run(
@@ -344,7 +344,7 @@ class FlightRecorder:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         inbox = self._inbox
         while True:
-            items = self._taken = self._take()
+            items = self._take()
             count = len(items)
             items.reverse()  # popped oldest first: a handled step's batch is not kept alive
             try:
@@ -388,8 +388,9 @@ class FlightRecorder:
                     inbox.due.wait()
             inbox.urgent = inbox.idle = False
             items, inbox.items, inbox.bytes = inbox.items, [], 0
+            self._taken_steps += sum(isinstance(item, _StepItem) for item in items)
+            self.takes_total += 1
             inbox.room.notify_all()
-        self.takes_total += 1
         return items
 
     def _work(self, job: Any, *args: Any) -> None:
@@ -560,6 +561,7 @@ class FlightRecorder:
                 opened += episode.incident_id is None
                 write_episode(session, self.store, self.run_id, episode)
         self._group = []
+        self._taken_steps -= len(group)
         self._inline_bytes = 0
         self.commits_total += 1
         self.recorded_total += len(group)
