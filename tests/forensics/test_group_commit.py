@@ -99,10 +99,18 @@ def test_steps_commit_in_groups_incidents_and_checkpoints_at_once(tmp_path: Path
     ]
 
 
-def test_the_writer_takes_a_group_in_one_wake_up(tmp_path: Path) -> None:
-    config = ForensicsConfig(commit_every_steps=8, commit_interval_seconds=3600, queue_size=8)
-    recorder = FlightRecorder(tmp_path, config)
+def started(run_dir: Path, group: int, inbox: int) -> FlightRecorder:
+    """A started recorder whose groups commit by size alone (an hour's interval)."""
+    config = ForensicsConfig(
+        commit_every_steps=group, commit_interval_seconds=3600, queue_size=inbox
+    )
+    recorder = FlightRecorder(run_dir, config)
     recorder.start_run("r", {"engine": {}}, {}, "cpu")
+    return recorder
+
+
+def test_the_writer_takes_a_group_in_one_wake_up(tmp_path: Path) -> None:
+    recorder = started(tmp_path, group=8, inbox=8)
     for step in range(7):
         recorder.record(decided(tiny_batch(step), tiny_report(step), PASS, "applied"))
     # the first step only started the group's interval: all seven wait, none is taken
@@ -119,9 +127,7 @@ def test_the_writer_takes_a_group_in_one_wake_up(tmp_path: Path) -> None:
 
 
 def test_a_full_inbox_wakes_the_writer_before_the_trainer_must_wait(tmp_path: Path) -> None:
-    config = ForensicsConfig(commit_every_steps=16, commit_interval_seconds=3600, queue_size=2)
-    recorder = FlightRecorder(tmp_path, config)
-    recorder.start_run("r", {"engine": {}}, {}, "cpu")
+    recorder = started(tmp_path, group=16, inbox=2)
     for step in range(8):
         recorder.record(decided(tiny_batch(step), tiny_report(step), PASS, "applied"))
         # every second step fills the inbox: the writer takes both (none waits for it)
