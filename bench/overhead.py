@@ -246,6 +246,12 @@ def main() -> int:
         help="also the median milliseconds of the guards' hooks and the publication a step",
     )
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=W1.threads,
+        help="W1's torch threads (1 on two cores: a core left to grpod's own threads)",
+    )
+    parser.add_argument(
         "--workload",
         choices=("W1", "W4"),
         default="W1",
@@ -255,7 +261,9 @@ def main() -> int:
     if args.workload == "W4":
         workload = workload_config("W4", device=args.device)
     else:
-        workload = EngineConfig(**{**W1.model_dump(), "device": args.device})
+        workload = EngineConfig(
+            **{**W1.model_dump(), "device": args.device, "threads": args.threads}
+        )
 
     with tempfile.TemporaryDirectory(prefix="grpod-overhead-") as tmp:
         daemon, run_dir, log_file = start_daemon(
@@ -307,6 +315,7 @@ def main() -> int:
             {
                 "bench": "overhead",
                 "workload": args.workload,
+                "torch_threads": workload.threads,
                 "device": args.device,
                 "paired": paired_figures,
                 "goal": 0.99,
@@ -328,6 +337,7 @@ def main() -> int:
         {
             "bench": "overhead",
             "workload": args.workload,
+            "torch_threads": workload.threads,
             "device": args.device,
             "rounds": len(times["monitored"]),
             "rounds_asked": args.rounds,

@@ -128,8 +128,9 @@ class _Inbox:
     whole group in one wake-up at its deadline, instead of one wake-up (and one hand-off of the
     GIL) per step."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, size: int, group: int) -> None:
+        self.size = size  # queue_size: a put that finds this many items waits
+        self.group = group  # commit_every_steps: the held and waiting steps of a full group
         self.items: list[Any] = []
         self.lock = threading.Lock()
         self.due = threading.Condition(self.lock)  # the writer waits for work
@@ -142,7 +143,7 @@ class _Inbox:
         self.bytes = 0  # the tensor bytes of the inbox's batches
         self.put_total = self.done_total = 0
 
-    def put(self, item: Any, urgent: bool, group: int, nbytes: int = 0) -> tuple[int, bool]:
+    def put(self, item: Any, urgent: bool, nbytes: int = 0) -> tuple[int, bool]:
         """Append `item` (a batch of `nbytes`); (its sequence number for `wait_done`, whether
         the inbox was full)."""
         with self.lock:
@@ -156,7 +157,7 @@ class _Inbox:
             self.bytes += nbytes
             if urgent or self.held_bytes + self.bytes > HOLD_BYTES:
                 self.urgent = True
-            full = len(self.items) >= self.size or self.held + len(self.items) >= group
+            full = len(self.items) >= self.size or self.held + len(self.items) >= self.group
             if self.urgent or self.idle or full:
                 self.due.notify()
             return self.put_total, blocked
@@ -221,7 +222,7 @@ class FlightRecorder:
         self._held = self._held_bytes = 0  # held (not yet staged) batches, their tensor bytes
         self._inline_bytes = 0  # bytes of the group's staged inline blobs (in memory)
         self._group_deadline = 0.0  # time.monotonic() by which the group commits
-        self._inbox = _Inbox(self.config.queue_size)
+        self._inbox = _Inbox(self.config.queue_size, self.config.commit_every_steps)
         self._taken_steps = 0  # steps the writer took and has not committed (writer thread)
         self._thread = threading.Thread(target=self._write_loop, name="grpod-recorder", daemon=True)
         self._thread.start()
@@ -312,14 +313,14 @@ class FlightRecorder:
     def drain(self) -> None:
         """Wait until everything queued so far is committed (blobs fsynced, rows committed)."""
         if self._thread.is_alive():  # not counted as blocked: the caller asked to wait
-            number, _ = self._inbox.put(_COMMIT, True, self.config.commit_every_steps)
+            number, _ = self._inbox.put(_COMMIT, True)
             self._inbox.wait_done(number)
         self._raise_failure()
 
     def close(self) -> None:
         """Commit everything queued, stop the writer, mark the run ended."""
         if self._thread.is_alive():
-            self._inbox.put(_STOP, True, self.config.commit_every_steps)
+            self._inbox.put(_STOP, True)
             self._thread.join()
         try:
             self._raise_failure()
@@ -330,7 +331,7 @@ class FlightRecorder:
             self.store.close()
 
     def _put(self, item: Any, *, urgent: bool = True, nbytes: int = 0) -> None:
-        _, blocked = self._inbox.put(item, urgent, self.config.commit_every_steps, nbytes)
+        _, blocked = self._inbox.put(item, urgent, nbytes)
         self.blocked_total += blocked
 
     def _raise_failure(self) -> None:
@@ -362,7 +363,7 @@ class FlightRecorder:
 
     def _take(self) -> list[Any]:
         """Wait until work is due (module doc), then take everything in the inbox."""
-        inbox, every = self._inbox, self.config.commit_every_steps
+        inbox = self._inbox
         interval = self.config.commit_interval_seconds
         with inbox.lock:
             while not inbox.urgent:
@@ -370,7 +371,7 @@ class FlightRecorder:
                 inbox.held_bytes = self._held_bytes
                 if self._error is not None:  # nothing is written: take items as they come
                     deadline = None if not inbox.items else 0.0
-                elif held + len(inbox.items) >= every or len(inbox.items) >= inbox.size:
+                elif held + len(inbox.items) >= inbox.group or len(inbox.items) >= inbox.size:
                     break
                 elif held:
                     deadline = self._group_deadline
