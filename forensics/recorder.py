@@ -157,10 +157,13 @@ class _Inbox:
             self.bytes += nbytes
             if urgent or self.held_bytes + self.bytes > HOLD_BYTES:
                 self.urgent = True
-            full = len(self.items) >= self.size or self.held + len(self.items) >= self.group
-            if self.urgent or self.idle or full:
+            if self.urgent or self.idle or self.full():
                 self.due.notify()
             return self.put_total, blocked
+
+    def full(self) -> bool:
+        """(Under the lock) the inbox is at `size`, or its steps complete the writer's group."""
+        return len(self.items) >= self.size or self.held + len(self.items) >= self.group
 
     def wait_done(self, number: int) -> None:
         """Until the writer has taken and handled the `number`th item."""
@@ -371,7 +374,7 @@ class FlightRecorder:
                 inbox.held_bytes = self._held_bytes
                 if self._error is not None:  # nothing is written: take items as they come
                     deadline = None if not inbox.items else 0.0
-                elif held + len(inbox.items) >= inbox.group or len(inbox.items) >= inbox.size:
+                elif inbox.full():
                     break
                 elif held:
                     deadline = self._group_deadline
