@@ -305,7 +305,10 @@ class Daemon:
         decided = take_step(self.engine, self.policy)
         self.signals.abortable = False
         self.input_failure, self.system_failure = decided.input_failure, decided.system_failure
-        result = dataclasses.replace(decided.result, ahead=self.engine.take_ahead_stats())
+        ahead = self.engine.take_ahead_stats()  # None on policy: the result as decided
+        result = (
+            decided.result if ahead is None else dataclasses.replace(decided.result, ahead=ahead)
+        )
         result = self.sink.publish(result, self.policy.gradnorm_vtc_correlation)
         self.notifier.watchdog()
         return result.verdict.action

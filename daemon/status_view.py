@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,7 @@ class StatusView:
         self.last_verdict = "none"
         self.checkpoint_step = -1
         self._written = -math.inf
+        self._writing = threading.Lock()  # the trainer's writes and the publish thread's
 
     def note_step(self, result: StepResult) -> None:
         self.last_step = result.step
@@ -62,9 +64,15 @@ class StatusView:
         return time.monotonic() - self._written >= STATUS_INTERVAL_SECONDS
 
     def write(self, state: str, **extra: Any) -> None:
-        """The view in `state` (`running`, `stopped`, ...; `extra`: `reason`, `exit_code`)."""
+        """The view in `state` (`running`, `stopped`, ...; `extra`: `reason`, `exit_code`).
+        Any thread: the trainer's (start, stop) and the step sink's publish thread (while
+        running) each replace the file whole, one at a time."""
         if self.run_dir is None:
             return
+        with self._writing:
+            self._write(state, extra)
+
+    def _write(self, state: str, extra: dict[str, Any]) -> None:
         self._written = time.monotonic()
         if self.notify is not None:
             self.notify(

@@ -61,6 +61,9 @@ class GuardPolicy:
         self.guards: dict[str, Guard] = {
             cls.name: cls(getattr(self.config, cls.name)) for cls in GUARD_CLASSES
         }
+        # the guards that have a before-hook (most have only `after`): a step calls no empty
+        # hook, right after the rollout when every call runs on cold caches
+        self._before = [g for g in self.guards.values() if type(g).before is not Guard.before]
         self.consecutive_flushes = 0
         self._model: Any = None  # the model whose parameter list `_weights` holds
         self._weights: list[torch.Tensor] = []
@@ -82,7 +85,9 @@ class GuardPolicy:
         )
         findings: list[Finding] = []
         skip = False
-        for guard in self._enabled():
+        for guard in self._before:
+            if not guard.enabled:
+                continue
             if guard.name == "reorder" and not reorder:
                 continue  # a step-accumulated counter reads the step total in any micro order
             out, found = guard.before(batch)

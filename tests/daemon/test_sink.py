@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import threading
 import time
 from datetime import datetime
@@ -262,3 +263,44 @@ def test_a_burst_that_fails_on_the_publish_thread_fails_the_next_step() -> None:
     assert not sink._timer.is_alive()
     with pytest.raises(OSError, match="No space left"):
         sink.publish(decided(2, PASS))
+
+
+def test_the_status_view_is_written_with_a_burst_not_by_the_steps_publish(tmp_path: Path) -> None:
+    """While a healthy step is held, its publish leaves status.json alone (a file replaced
+    costs the trainer ~1 ms on a W1 step); the burst that sends it writes the view, from the
+    publish thread, with the latest step and its verdict."""
+    view = StatusView(RunDir(tmp_path), "r1", next_step=lambda: 3)
+    writers: list[str] = []
+    written = threading.Event()
+    write = view.write
+
+    def recording_write(state: str, **extra: Any) -> None:
+        writers.append(threading.current_thread().name)
+        write(state, **extra)
+        written.set()
+
+    view.write = recording_write  # type: ignore[method-assign]
+    sink = StepSink(NoRecorder(), status=view, hold_seconds=0.2)
+    sink._sent_at = time.monotonic()  # a burst just went out: the hold runs from now
+    sink.publish(decided(2, PASS))
+    assert writers == [] and RunDir(tmp_path).read_status() is None
+    assert view.last_step == 2  # the view knows the step; its file waits for the burst
+    assert sink._timer is not None
+    try:
+        assert written.wait(60), "the burst never wrote the view"
+    finally:
+        sink.close()
+    assert writers == ["grpod-publish"]
+    shown = RunDir(tmp_path).read_status()
+    assert shown is not None and (shown["state"], shown["step"], shown["next_step"]) == (
+        "running",
+        2,
+        3,
+    )
+    assert shown["last_verdict"] == "PASS"
+    view._written = -math.inf  # a second has passed: the view is due
+    sink.publish(decided(3))  # a finding goes out at once, on the trainer, with the view
+    assert writers == ["grpod-publish", threading.current_thread().name]
+    shown = RunDir(tmp_path).read_status()
+    assert shown is not None and shown["step"] == 3
+    assert shown["last_verdict"] == "WARN (accounting: vtc != mask)"
