@@ -144,6 +144,7 @@ class StepSink:
         self._timer: threading.Thread | None = None
         self.background_cpu_seconds = 0.0  # the CPU time of the bursts the thread sent
         self._failure: Exception | None = None  # what ended the publish thread
+        self._distributed = distributed.world_size() > 1  # read once: a launch's, not a step's
 
     @classmethod
     def publishing(
@@ -165,7 +166,8 @@ class StepSink:
             self.rank_metrics.observe(result)
         rerun = self.is_rerun(result.step)
         started = time.perf_counter()
-        recorded = distributed.gather_step(result)  # rank 0: every rank's batch and report
+        # rank 0: every rank's batch and report (one process: the step itself)
+        recorded = distributed.gather_step(result) if self._distributed else result
         if recorded is not None:
             self.recorder.record(recorded, rerun=rerun)
         seconds = time.perf_counter() - started
