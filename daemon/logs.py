@@ -10,8 +10,9 @@ import contextlib
 import logging
 import sys
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime, timezone
-from typing import TextIO
+from typing import Any, TextIO
 
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
@@ -25,15 +26,16 @@ def make_logger(
     fmt: str = "auto",
     level: str = "info",
     stream: TextIO | None = None,
-    before_write: Callable[[], None] | None = None,
+    around_write: Callable[[], AbstractContextManager[Any]] | None = None,
     drop_events: frozenset[str] = frozenset(),
 ) -> structlog.typing.FilteringBoundLogger:
     """A logger writing one event per line to `stream` (stdout by default).
 
-    fmt: "json", "console", or "auto" (console when `stream` is a TTY). `before_write` runs
-    before each line (the progress bar clears itself); `drop_events` names events left out
-    of this stream when it is a terminal (the progress bar shows `step` instead); piped to
-    a file or journald every event stays.
+    fmt: "json", "console", or "auto" (console when `stream` is a TTY). `around_write()` is
+    entered around each line (the daemon's: the held step lines go first and the progress
+    bar clears itself, and no burst redraws it before the line is out); `drop_events` names
+    events left out of this stream when it is a terminal (the progress bar shows `step`
+    instead); piped to a file or journald every event stays.
     """
     out = sys.stdout if stream is None else stream
     console = fmt == "console" or (fmt == "auto" and _isatty(out))
@@ -53,7 +55,7 @@ def make_logger(
             structlog.processors.JSONRenderer(serializer=dumps, sort_keys=False),
         ]
     return structlog.wrap_logger(
-        _Printer(out, before_write),
+        _Printer(out, around_write),
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
         # bound once, not on every call: the lazy proxy otherwise rebuilds it per event
@@ -121,20 +123,21 @@ def clear() -> None:
 
 
 class _Printer:
-    """structlog's PrintLogger with a hook before each line, flushed per line (journald)."""
+    """structlog's PrintLogger with a context around each line, flushed per line (journald)."""
 
-    def __init__(self, stream: TextIO, before_write: Callable[[], None] | None) -> None:
+    def __init__(
+        self, stream: TextIO, around_write: Callable[[], AbstractContextManager[Any]] | None
+    ) -> None:
         self._stream = stream
-        self._before = before_write
+        self._around = around_write
 
     def msg(self, message: str) -> None:
-        if self._before is not None:
-            self._before()
-        try:
-            self._stream.write(message + "\n")
-            self._stream.flush()
-        except (BrokenPipeError, ValueError):
-            pass  # stdout gone (closed pipe): logging must not stop training
+        with nullcontext() if self._around is None else self._around():
+            try:
+                self._stream.write(message + "\n")
+                self._stream.flush()
+            except (BrokenPipeError, ValueError):
+                pass  # stdout gone (closed pipe): logging must not stop training
 
     log = debug = info = warn = warning = error = critical = exception = fatal = msg
 

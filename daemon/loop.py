@@ -21,6 +21,7 @@ import dataclasses
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -81,7 +82,7 @@ class Daemon:
         self.log = logs.make_logger(
             cfg.log_format,
             cfg.log_level,
-            before_write=self._before_line,
+            around_write=self._around_line,
             drop_events=frozenset({"step"}) if self.progress else frozenset(),
         )
         self.notifier = Notifier()
@@ -386,12 +387,14 @@ class Daemon:
             self.server = None
         self.notifier.close()
 
-    def _before_line(self) -> None:
-        """Before any line: the progress bar clears, the sink's held step lines go first."""
-        if self.progress is not None:
-            self.progress.clear()
-        if self.sink is not None:
-            self.sink.flush()
+    @contextlib.contextmanager
+    def _around_line(self) -> Iterator[None]:
+        """Around any line: the sink's held step lines first (their burst redraws the
+        progress bar), then the bar clears; no burst redraws it before the line is out."""
+        with contextlib.nullcontext() if self.sink is None else self.sink.line_turn():
+            if self.progress is not None:
+                self.progress.clear()
+            yield
 
     def _attributed(self, record: AttributionRecord) -> None:
         if self.metrics is not None:

@@ -22,18 +22,19 @@ after the held ones, with the status view when it is due).
 Steps slower than the hold go out one by one, as without it. For faster steps a thread
 (`grpod-publish`) sends each burst once the hold is over, beside the trainer (on two CPU cores,
 in the time torch's second thread would spin); any other line the run logs sends it first
-(`flush`, the daemon's `before_write`), so the log keeps the steps' order. A held line
-carries the time and the context (run id, step, rank) of its step, not of its burst.
+(`line_turn`, around each line of the daemon's logger), so the log keeps the steps' order. A
+held line carries the time and the context (run id, step, rank) of its step, not of its burst.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from grpod.daemon import distributed
@@ -196,6 +197,15 @@ class StepSink:
         """Send the held steps' metrics and lines now, oldest first (any thread; a call made
         while this sink sends, from a line it logs, returns at once)."""
         self._flush(None)
+
+    @contextlib.contextmanager
+    def line_turn(self) -> Iterator[None]:
+        """Around a line the run logs, from any thread (the daemon's logger): the held steps'
+        lines go out first, and no burst goes out until that line is written (a burst
+        redraws the progress bar). A burst's own lines pass: the lock is reentrant."""
+        with self._sending_lock:
+            self._flush(None)
+            yield
 
     def _flush(self, current: _Held | None) -> None:
         """`flush`; `current`: the step being published, whose line is stamped as written."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+from collections.abc import Iterator
 
 from grpod.daemon import logs
 
@@ -34,11 +36,16 @@ def test_json_lines_carry_context_and_finite_json() -> None:
 def test_console_on_a_tty_and_dropped_events() -> None:
     out = _Tty()
     calls = []
-    log = logs.make_logger(
-        "auto", "info", stream=out, before_write=lambda: calls.append(1), drop_events={"step"}
-    )
+
+    @contextlib.contextmanager
+    def around() -> Iterator[None]:
+        calls.append("enter")
+        yield
+        calls.append("exit")
+
+    log = logs.make_logger("auto", "info", stream=out, around_write=around, drop_events={"step"})
     log.info("step", loss=1.0)
     log.info("checkpoint", path="p")
     text = out.getvalue()
     assert "checkpoint" in text and "path" in text and not text.lstrip().startswith("{")
-    assert "loss" not in text and calls == [1]
+    assert "loss" not in text and calls == ["enter", "exit"]

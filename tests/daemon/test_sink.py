@@ -11,6 +11,7 @@ import threading
 import time
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from grpod.daemon.exitcodes import EXIT_OK
 from grpod.daemon.health import Health
 from grpod.daemon.loop import Daemon
 from grpod.daemon.metrics import Metrics, RankMetrics
+from grpod.daemon.progress import Progress
 from grpod.daemon.rundir import Plan, RunDir
 from grpod.daemon.sink import NoRecorder, StepSink
 from grpod.daemon.status_view import StatusView
@@ -221,10 +223,10 @@ def test_a_held_line_keeps_its_steps_context_and_time_and_goes_before_any_later_
     tmp_path: Path,
 ) -> None:
     """The daemon's logger sends the held step lines before any other line (its
-    `before_write`), each with its own step's `step`, `run_id` and `ts`."""
+    `around_write`), each with its own step's `step`, `run_id` and `ts`."""
     out = io.StringIO()
     sink_box: list[StepSink] = []
-    log = logs.make_logger("json", "info", stream=out, before_write=lambda: sink_box[0].flush())
+    log = logs.make_logger("json", "info", stream=out, around_write=lambda: sink_box[0].line_turn())
     sink = StepSink(NoRecorder(), announce=StepConsole(log).announce, hold_seconds=3600.0)
     sink_box.append(sink)
     sink._sent_at = time.monotonic()
@@ -304,3 +306,26 @@ def test_the_status_view_is_written_with_a_burst_not_by_the_steps_publish(tmp_pa
     shown = RunDir(tmp_path).read_status()
     assert shown is not None and shown["step"] == 3
     assert shown["last_verdict"] == "WARN (accounting: vtc != mask)"
+
+
+def test_a_line_logged_while_steps_are_held_starts_below_their_progress_bar() -> None:
+    """On a terminal, a line the run logs while steps are held: their burst goes out first
+    (redrawing the progress bar), then the bar clears, then the line. Before 2026-12-06 the
+    bar cleared first, the burst redrew it, and the line was written on the bar's end."""
+    out = io.StringIO()
+    progress = Progress(10, stream=out)
+    run = SimpleNamespace(sink=None, progress=progress)
+    log = logs.make_logger(
+        "json", "info", stream=out, around_write=lambda: Daemon._around_line(run)
+    )
+    sink = StepSink(NoRecorder(), announce=StepConsole(log, progress).announce, hold_seconds=3600.0)
+    run.sink = sink
+    sink._sent_at = time.monotonic()  # a burst just went out: the hold runs from now
+    for step in (1, 2):
+        sink.publish(decided(step, PASS))
+    assert out.getvalue() == ""
+    log.info("checkpoint saved")
+    text = out.getvalue()
+    bar, line = text.rindex("3/10"), text.index('"checkpoint saved"')  # step 2's bar: 3 done
+    cleared = text.rindex("\r\x1b[K", 0, line)
+    assert bar < cleared and text[cleared + 4 : line] == '{"event": '
