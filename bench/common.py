@@ -653,14 +653,19 @@ def bootstrap_ci95(
 
 
 def emit(record: dict) -> None:
-    """Print the one JSON line of a benchmark and append it to bench/out/results.jsonl."""
-    record = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        **record,
+    """Print the one JSON line of a benchmark and append it to bench/out/results.jsonl: the
+    record, then the host's context (versions, the benches' torch threads, CPUs, load) where
+    the record does not say it itself (w4_vs_trl.py's `threads` are its two sides')."""
+    context = {
         "versions": versions(),
         "threads": THREADS,
         "cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+    record = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        **record,
+        **{key: value for key, value in context.items() if key not in record},
     }
     line = json.dumps(record, sort_keys=False)
     OUT_DIR.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import common  # noqa: E402
 import w4_vs_trl  # noqa: E402
 from common import engine_config, toml_trl_changed  # noqa: E402
 
@@ -41,3 +43,18 @@ def test_arguments() -> None:
     assert args.max_minutes == 0.0
     with pytest.raises(SystemExit):
         w4_vs_trl.parse_args(["--steps", "2"])
+
+
+def test_a_bench_records_own_threads_are_not_overwritten_by_the_hosts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`emit` adds the host's context only where the record says nothing itself: w4_vs_trl's
+    `threads` are its two sides' (before 2026-12-06 every record got the benches' constant)."""
+    monkeypatch.setattr(common, "OUT_DIR", tmp_path)
+    common.emit({"bench": "a", "threads": [2, 1]})
+    common.emit({"bench": "b"})
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    stored = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert printed == stored
+    assert stored[0]["threads"] == [2, 1] and stored[1]["threads"] == common.THREADS
+    assert all(r["cpus"] and "versions" in r and "load_avg_1m" in r for r in stored)
