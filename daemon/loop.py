@@ -34,21 +34,10 @@ from grpod.daemon.config import GrpodConfig, reload_guards
 from grpod.daemon.console import StepConsole, sample_decoder
 from grpod.daemon.errors import BAD_INPUT_ERRORS, failure_reason
 from grpod.daemon.evaluation import Evaluations
-from grpod.daemon.exitcodes import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILURE,
-    EXIT_HALT,
-    EXIT_OK,
-    exit_by_signal,
-)
+from grpod.daemon.exitcodes import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_HALT, EXIT_OK, exit_by_signal
 from grpod.daemon.failed_step import take_step
 from grpod.daemon.health import Health, HealthServer
-from grpod.daemon.metrics import (
-    Metrics,
-    RankMetrics,
-    prepare_multiproc_dir,
-    serving_registry,
-)
+from grpod.daemon.metrics import Metrics, RankMetrics, prepare_multiproc_dir, serving_registry
 from grpod.daemon.notify import Notifier
 from grpod.daemon.progress import Progress, wanted
 from grpod.daemon.retention import Retention
