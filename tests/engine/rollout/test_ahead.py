@@ -154,7 +154,10 @@ class Gate:
 
 
 def async_engine(url: str, tmp_path: Path) -> Engine:
-    return Engine(server_config(url, tmp_path, **ASYNC))
+    """An async engine on a stand-in server. Its client waits as long as a gate may hold a
+    step's completions: the stand-in's 0.5 s, meant for a server that never answers, timed
+    out a held rollout while step 0 trained on a loaded machine (2026-12-06)."""
+    return Engine(server_config(url, tmp_path, vllm_server_timeout_seconds=120.0, **ASYNC))
 
 
 def test_server_rollouts_sample_while_the_trainer_trains(stand_in, tmp_path: Path) -> None:

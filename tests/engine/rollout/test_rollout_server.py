@@ -154,15 +154,16 @@ def stand_in() -> Iterator[Callable[[Answer], StandIn]]:
 
 
 def server_config(url: str, tmp_path: Path, **overrides: Any):
-    return config(
+    """A stand-in server's engine config; `overrides` replace any of its settings."""
+    settings: dict[str, Any] = dict(
         rollout_backend="vllm-server",
         vllm_server_url=url,
         vllm_server_timeout_seconds=TIMEOUT,
         vllm_server_sync_dir=str(tmp_path / "sync"),
         prompts_per_step=2,
         group_size=2,
-        **overrides,
     )
+    return config(**{**settings, **overrides})
 
 
 def sampler(url: str, tmp_path: Path) -> ServerSampler:
