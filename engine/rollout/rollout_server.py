@@ -39,7 +39,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -52,7 +51,7 @@ from grpod.engine.errors import EngineError, SamplerError
 from grpod.engine.rollout.rollout_vllm import ServedModel, to_rollout, weights_to_push
 from grpod.engine.rollout.sampler import Rollout, SamplingSettings
 from grpod.engine.rollout.shared_weights import RPC_METHOD, SharedWeights, SharedWeightsWorker
-from grpod.engine.rollout.sync_dir import SyncDir
+from grpod.engine.rollout.sync_dir import SOCKET_PREFIX, OwnedDir, SyncDir
 from grpod.engine.rollout.vllm_limits import BLOCK_TOKENS, CPU_KV_CACHE_BYTES
 from grpod.engine.rollout.vllm_server import (
     EXIT_GRACE_SECONDS,
@@ -103,10 +102,10 @@ class ServerSampler:
             self._shared = SharedWeights(self.sync_dir)
         self._pool = ThreadPoolExecutor(MAX_REQUESTS_IN_FLIGHT, thread_name_prefix="vllm-request")
         url = peer_of or config.vllm_server_url
-        self._socket_dir: Path | None = None  # grpod's own server's socket, 0700
+        self._socket_dir: OwnedDir | None = None  # grpod's own server's socket, 0700
         if not url:
-            self._socket_dir = Path(tempfile.mkdtemp(prefix="grpod-vllm-"))
-            url = f"{UNIX_PREFIX}{self._socket_dir / SOCKET}"
+            self._socket_dir = OwnedDir(SOCKET_PREFIX)
+            url = f"{UNIX_PREFIX}{self._socket_dir.path / SOCKET}"
         try:
             key = os.environ.get(config.vllm_server_api_key_env, "")
             if config.vllm_server_api_key_env and not key:
@@ -245,7 +244,8 @@ class ServerSampler:
         if self.process is not None:
             self.process.stop()
         if self._socket_dir is not None:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir.close()
+        self.served.close()
         if self._shared is not None:
             self._shared.close()
         if self._own is not None:

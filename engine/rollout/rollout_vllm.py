@@ -21,7 +21,6 @@ backend sampled.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from grpod.engine.config import EngineConfig
 from grpod.engine.errors import EngineError
 from grpod.engine.rollout.sampler import Rollout, SamplingSettings
 from grpod.engine.rollout.shared_weights import reload_attested
+from grpod.engine.rollout.sync_dir import MODEL_PREFIX, OwnedDir
 from grpod.engine.rollout.vllm_limits import BLOCK_TOKENS, CPU_KV_CACHE_BYTES, served_lengths
 from grpod.engine.weight_sync import CONTINUATION_TOKENS, ProbeScores, PushFaults
 
@@ -54,18 +54,23 @@ class ServedModel:
         self.probe_tokens, self.max_model_len = served_lengths(
             lengths, positions if self.path.is_dir() else None, platform
         )
-        self._export: tempfile.TemporaryDirectory | None = None
+        self._export: OwnedDir | None = None
         if not self.path.is_dir():  # the built-in tiny model: export it once for vLLM to load
-            self._export = tempfile.TemporaryDirectory(prefix="grpod-vllm-")
+            self._export = OwnedDir(MODEL_PREFIX)
             model.config.max_position_embeddings = max(positions, self.max_model_len)
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # stderr is for the one line an error gets
             try:  # rotary positions are computed, not learned: more of them change no weight
-                model.save_pretrained(self._export.name, safe_serialization=True)
+                model.save_pretrained(self._export.path, safe_serialization=True)
             finally:
                 model.config.max_position_embeddings = positions
-            self.path = Path(self._export.name)
+            self.path = self._export.path
+
+    def close(self) -> None:
+        """Remove the export (a killed run's is swept by the next one: sync_dir.py)."""
+        if self._export is not None:
+            self._export.close()
 
 
 class VLLMSampler:
@@ -128,8 +133,9 @@ class VLLMSampler:
             torch.set_num_threads(threads)
 
     def close(self) -> None:
-        """Let go of the engine (its memory goes with the last reference)."""
+        """Let go of the engine (its memory goes with the last reference) and the export."""
         self.llm = None
+        self.served.close()
 
     def push(self, model: torch.nn.Module, faults: PushFaults | None = None) -> tuple[str, ...]:
         """Load `model`'s weights into vLLM, then reset its prefix cache; returns vLLM's

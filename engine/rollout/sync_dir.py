@@ -1,4 +1,6 @@
-"""The directory grpod's pushes to a vLLM server go through, and what a killed run left there.
+"""The temporary directories grpod's vLLM paths make, and what a killed run left there: the
+pushes' directory, the built-in tiny model exported for vLLM to load, the socket of grpod's own
+server.
 
 A push's shared regions or snapshots are as large as the model (engine/rollout/
 shared_weights.py), and they live in /dev/shm when it has room. A run that exits removes its
@@ -8,7 +10,8 @@ the next pushes no longer fit there. So the run holds an exclusive `flock` on a 
 directory for as long as it lives (the kernel drops it with the process, however it dies),
 and a new run removes this user's directories whose lock nobody holds before it measures the
 room. A lock is a kernel object, so this holds across PID namespaces that share /dev/shm; a
-directory without a lock file (an older grpod's, or one being made) is left alone.
+directory without a lock file (an older grpod's, or one being made) is left alone. The
+tiny model's export (~4 MB) and the socket's directory are made and swept the same way.
 """
 
 from __future__ import annotations
@@ -19,38 +22,58 @@ import shutil
 import stat
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
-PREFIX = "grpod-vllm-sync-"
+PREFIX = "grpod-vllm-sync-"  # the pushes
+MODEL_PREFIX = "grpod-vllm-model-"  # the built-in tiny model, exported for vLLM to load
+SOCKET_PREFIX = "grpod-vllm-socket-"  # grpod's own server's Unix socket
+PREFIXES = (PREFIX, MODEL_PREFIX, SOCKET_PREFIX)
 LOCK = "owner.lock"
 SHM = Path("/dev/shm")
 # a lock file younger than this may be one whose owner has not locked it yet
 SETTLE_SECONDS = 60.0
 
 
-class SyncDir:
-    """A new 0700 directory for the pushes, locked by this process until `close`: in shared
-    memory (/dev/shm, a tmpfs: nothing touches a disk) when it has room for `need_bytes`
-    (after removing the directories of runs that died), else the temporary directory."""
+class OwnedDir:
+    """A new 0700 directory named `prefix`... in `where` (None: the temporary directory),
+    locked by this process until `close` (or its collection, or the interpreter's exit),
+    made after removing the directories of this user's runs that died there."""
+
+    def __init__(self, prefix: str, where: Path | None = None) -> None:
+        sweep(where or Path(tempfile.gettempdir()))
+        self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=where))
+        try:
+            lock = hold(self.path / LOCK)
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+        self._finalizer = weakref.finalize(self, _remove, self.path, lock)
+
+    def close(self) -> None:
+        """Remove the directory and drop its lock."""
+        self._finalizer()
+
+
+class SyncDir(OwnedDir):
+    """The pushes' directory: in shared memory (/dev/shm, a tmpfs: nothing touches a disk) when
+    it has room for `need_bytes` (after removing the directories of runs that died), else the
+    temporary directory."""
 
     def __init__(self, need_bytes: int) -> None:
-        for place in (SHM, Path(tempfile.gettempdir())):  # both: a run may have used either
-            sweep(place)
+        sweep(SHM)  # both places: a run may have used either
         where: Path | None = None
         if SHM.is_dir() and os.access(SHM, os.W_OK):
             try:
                 where = SHM if shutil.disk_usage(SHM).free >= need_bytes else None
             except OSError:
                 where = None
-        self.path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=where))
-        self._lock: int | None = hold(self.path / LOCK)
+        super().__init__(PREFIX, where)
 
-    def close(self) -> None:
-        """Remove the directory and drop its lock."""
-        shutil.rmtree(self.path, ignore_errors=True)
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+
+def _remove(path: Path, lock: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(lock)
 
 
 def hold(path: Path) -> int:
@@ -61,11 +84,11 @@ def hold(path: Path) -> int:
 
 
 def sweep(where: Path) -> list[Path]:
-    """Remove this user's push directories in `where` whose owner is gone (their lock file
-    unlocked and older than SETTLE_SECONDS); returns them."""
+    """Remove this user's directories of PREFIXES in `where` whose owner is gone (their lock
+    file unlocked and older than SETTLE_SECONDS); returns them."""
     removed: list[Path] = []
     try:
-        entries = [p for p in where.iterdir() if p.name.startswith(PREFIX)]
+        entries = [p for p in where.iterdir() if p.name.startswith(PREFIXES)]
     except OSError:
         return removed
     for directory in entries:
