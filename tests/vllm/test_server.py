@@ -107,6 +107,7 @@ def server_pid(run: Grpod) -> int:
 
 
 @pytest.mark.timeout(1800)  # two server starts: ~1 min each on an idle 2-core machine
+@pytest.mark.usefixtures("semaphores_of_killed_servers_removed")
 def test_a_server_campaign_survives_a_killed_server_sigterm_and_replays(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()

@@ -96,6 +96,7 @@ class Agent:
 
 
 @pytest.mark.timeout(2400)  # two server starts and two 2-rank jobs on a 2-core machine
+@pytest.mark.usefixtures("semaphores_of_killed_servers_removed")
 def test_one_server_serves_both_ranks_through_a_drill_a_killed_server_and_a_resume(
     tmp_path: Path,
 ) -> None:
