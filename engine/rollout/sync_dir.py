@@ -48,7 +48,7 @@ class OwnedDir:
         except BaseException:
             shutil.rmtree(self.path, ignore_errors=True)
             raise
-        self._finalizer = weakref.finalize(self, _remove, self.path, lock)
+        self._finalizer = weakref.finalize(self, _remove, self.path, lock, os.getpid())
 
     def close(self) -> None:
         """Remove the directory and drop its lock."""
@@ -61,7 +61,8 @@ class SyncDir(OwnedDir):
     temporary directory."""
 
     def __init__(self, need_bytes: int) -> None:
-        sweep(SHM)  # both places: a run may have used either
+        for place in (SHM, Path(tempfile.gettempdir())):  # both: a run may have used either
+            sweep(place)
         where: Path | None = None
         if SHM.is_dir() and os.access(SHM, os.W_OK):
             try:
@@ -71,15 +72,22 @@ class SyncDir(OwnedDir):
         super().__init__(PREFIX, where)
 
 
-def _remove(path: Path, lock: int) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def _remove(path: Path, lock: int, owner: int) -> None:
+    """The owner's close; a forked child that finalizes its copy only lets go of the fd
+    (the lock stays the owner's)."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
     os.close(lock)
 
 
 def hold(path: Path) -> int:
     """An open descriptor of `path` (made 0600) holding an exclusive flock on it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 

@@ -21,6 +21,7 @@ from grpod.engine.rollout.sync_dir import (
     PREFIX,
     PREFIXES,
     SETTLE_SECONDS,
+    SHM,
     OwnedDir,
     SyncDir,
     hold,
@@ -149,3 +150,38 @@ def test_a_served_model_removes_its_export_when_closed(monkeypatch, tmp_path: Pa
     assert served.path.parent == tmp_path and (served.path / "config.json").is_file()
     served.close()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(MODEL_PREFIX)]
+
+
+def test_pushes_in_shared_memory_still_sweep_a_killed_runs_pushes_in_the_temp_dir(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """A run that fell back to the temporary directory and was killed: the next run's pushes
+    go to /dev/shm and still remove its model-sized directory."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    killed = tmp_path / f"{PREFIX}killed"
+    killed.mkdir(mode=0o700)
+    (killed / LOCK).touch()
+    aged(killed / LOCK)
+    own = SyncDir(need_bytes=1)
+    try:
+        assert own.path.parent == SHM
+        assert not killed.exists()
+    finally:
+        own.close()
+
+
+def test_a_forked_child_that_closes_its_copy_leaves_the_directory_and_the_lock() -> None:
+    own = OwnedDir(MODEL_PREFIX)
+    try:
+        child = os.fork()
+        if child == 0:  # the child's copy: its close (or its exit) must not remove the dir
+            own.close()
+            os._exit(0)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert own.path.is_dir()
+        aged(own.path / LOCK)
+        assert own.path not in sweep(own.path.parent)  # still locked: by this process
+    finally:
+        own.close()
+    assert not own.path.exists()
