@@ -306,7 +306,11 @@ class Daemon:
     # ----------------------------------------------------------------- shutdown
     def _shutdown(self, code: int, reason: str, checkpoint: bool = True) -> int:
         self.signals.abortable = False
-        self.sink.close()  # the held steps' metrics and lines, before anything about the stop
+        try:  # the held steps' metrics and lines, before anything about the stop
+            self.sink.close()
+        except Exception as exc:  # a burst after the last step failed: a failed run
+            self.log.error("publish failed", error=str(exc))
+            code = code or EXIT_FAILURE
         stops = self.signals.stop_count  # one more while shutting down ends the linger too
         if self.progress is not None:
             self.progress.finish()

@@ -145,6 +145,7 @@ class StepSink:
         self._timer: threading.Thread | None = None
         self.background_cpu_seconds = 0.0  # the CPU time of the bursts the thread sent
         self._failure: Exception | None = None  # what ended the publish thread
+        self._failure_raised = False  # a publish has raised it
         self._distributed = distributed.world_size() > 1  # read once: a launch's, not a step's
 
     @classmethod
@@ -178,6 +179,7 @@ class StepSink:
         if self.status is not None:
             self.status.note_step(result)
         if self._failure is not None:  # the publish thread's burst failed: this step fails
+            self._failure_raised = True
             raise self._failure
         held = _Held(result, correlation, rerun, time.time(), contextvars.copy_context())
         with self._waiting:  # never waits for a burst being sent
@@ -228,13 +230,19 @@ class StepSink:
                 self._sending = False
 
     def close(self) -> None:
-        """Send what is held and stop the timer thread."""
-        self.flush()
-        with self._waiting:
-            self._closed = True
-            self._waiting.notify_all()
-        if self._timer is not None:
-            self._timer.join()
+        """Send what is held and stop the timer thread. A burst that failed on the publish
+        thread after the last publish raises here: its steps' lines and metrics are lost."""
+        try:
+            self.flush()
+        finally:
+            with self._waiting:
+                self._closed = True
+                self._waiting.notify_all()
+            if self._timer is not None:
+                self._timer.join()
+        if self._failure is not None and not self._failure_raised:
+            self._failure_raised = True
+            raise self._failure
 
     def _send(self, step: _Held, at: float | None) -> None:
         if self.metrics is not None:

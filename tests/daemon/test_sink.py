@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from grpod.daemon import logs
 from grpod.daemon.config import DaemonConfig, GrpodConfig
 from grpod.daemon.console import StepConsole
-from grpod.daemon.exitcodes import EXIT_OK
+from grpod.daemon.exitcodes import EXIT_FAILURE, EXIT_OK
 from grpod.daemon.health import Health
 from grpod.daemon.loop import Daemon
 from grpod.daemon.metrics import Metrics, RankMetrics
@@ -265,6 +265,46 @@ def test_a_burst_that_fails_on_the_publish_thread_fails_the_next_step() -> None:
     assert not sink._timer.is_alive()
     with pytest.raises(OSError, match="No space left"):
         sink.publish(decided(2, PASS))
+
+
+def test_a_burst_that_fails_after_the_last_step_fails_the_close_once() -> None:
+    """The publish thread's burst fails and no publish follows (the run's last step): the
+    sink's close raises it. One a publish already raised is not raised again."""
+
+    def announce(result: StepResult, rerun: bool, at: float | None) -> None:
+        raise OSError(28, "No space left on device")
+
+    for publish_again in (False, True):
+        sink = StepSink(NoRecorder(), announce=announce, hold_seconds=0.2)
+        sink._sent_at = time.monotonic()
+        sink.publish(decided(1, PASS))
+        assert sink._timer is not None
+        sink._timer.join(60)
+        if publish_again:
+            with pytest.raises(OSError, match="No space left"):
+                sink.publish(decided(2, PASS))
+            sink.close()
+        else:
+            with pytest.raises(OSError, match="No space left"):
+                sink.close()
+
+
+def test_a_publish_that_fails_at_the_stop_fails_the_run(tmp_path: Path) -> None:
+    """The last step's line cannot be written when the loop stops: exit 1, `failed` in the
+    status view, the step recorded and the stop checkpoint saved all the same."""
+    daemon = Daemon(plan(tmp_path))
+    daemon._start()
+    assert daemon._step() == Action.PASS  # held: its line waits for a burst
+
+    def announce(result: StepResult, rerun: bool, at: float | None) -> None:
+        raise OSError(28, "No space left on device")
+
+    daemon.sink.announce = announce
+    assert daemon._shutdown(EXIT_OK, "done") == EXIT_FAILURE
+    assert recorded_row(tmp_path, 0)["outcome"] == "applied"
+    view = RunDir(tmp_path).read_status()
+    assert view is not None and (view["state"], view["exit_code"]) == ("failed", EXIT_FAILURE)
+    assert (view["checkpoint_step"], view["next_step"]) == (1, 1)
 
 
 def test_the_status_view_is_written_with_a_burst_not_by_the_steps_publish(tmp_path: Path) -> None:
