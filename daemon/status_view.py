@@ -70,9 +70,13 @@ class StatusView:
         if self.run_dir is None:
             return
         with self._writing:
-            self._write(state, extra)
+            failed = self._write(state, extra)
+        if failed is not None:  # reported outside the lock: a log line may send a burst
+            if self.on_error is None:
+                raise failed
+            self.on_error(failed)
 
-    def _write(self, state: str, extra: dict[str, Any]) -> None:
+    def _write(self, state: str, extra: dict[str, Any]) -> OSError | None:
         self._written = time.monotonic()
         if self.notify is not None:
             self.notify(
@@ -94,9 +98,8 @@ class StatusView:
         try:
             self.run_dir.write_status(status)
         except OSError as exc:
-            if self.on_error is None:
-                raise
-            self.on_error(exc)
+            return exc
+        return None
 
 
 def verdict_text(verdict: Verdict) -> str:

@@ -307,6 +307,28 @@ def test_a_publish_that_fails_at_the_stop_fails_the_run(tmp_path: Path) -> None:
     assert (view["checkpoint_step"], view["next_step"]) == (1, 1)
 
 
+def test_a_status_file_that_cannot_be_written_is_reported_outside_the_views_lock(
+    tmp_path: Path,
+) -> None:
+    """The daemon logs a failed status write, and a line it logs may send a burst, which
+    writes the view: the report comes after the view's lock is let go."""
+    (tmp_path / "run").write_text("a file where the run dir should be")
+    reported: list[tuple[OSError, bool]] = []
+
+    def on_error(exc: OSError) -> None:
+        free = view._writing.acquire(blocking=False)
+        if free:
+            view._writing.release()
+        reported.append((exc, free))
+
+    view = StatusView(RunDir(tmp_path / "run"), "r1", next_step=lambda: 1, on_error=on_error)
+    view.write("running")
+    assert [(type(exc).__name__, free) for exc, free in reported] == [("NotADirectoryError", True)]
+    unreported = StatusView(RunDir(tmp_path / "run"), "r1", next_step=lambda: 1)
+    with pytest.raises(NotADirectoryError):
+        unreported.write("running")
+
+
 def test_the_status_view_is_written_with_a_burst_not_by_the_steps_publish(tmp_path: Path) -> None:
     """While a healthy step is held, its publish leaves status.json alone (a file replaced
     costs the trainer ~1 ms on a W1 step); the burst that sends it writes the view, from the
