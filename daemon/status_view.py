@@ -42,22 +42,30 @@ class StatusView:
         self.fields = dict(fields or {})
         self.notify, self.on_error = notify, on_error
         self.metrics_url: str | None = None
-        self.last_step: int | None = None  # the last step this process finished
-        self.last_verdict = "none"
+        # the last step this process finished and its verdict: one tuple, replaced whole (the
+        # trainer notes a step while the publish thread may be writing the view)
+        self.last: tuple[int | None, str] = (None, "none")
         self.checkpoint_step = -1
         self._written = -math.inf
         self._writing = threading.Lock()  # the trainer's writes and the publish thread's
 
     def note_step(self, result: StepResult) -> None:
-        self.last_step = result.step
-        self.last_verdict = verdict_text(result.verdict)
+        self.last = (result.step, verdict_text(result.verdict))
+
+    @property
+    def last_step(self) -> int | None:
+        return self.last[0]
+
+    @property
+    def last_verdict(self) -> str:
+        return self.last[1]
 
     def line(self) -> str:
         """`step 4 done, last verdict PASS; next 5` (`ready; next step 0` before a step)."""
-        next_step = self.next_step()
-        if self.last_step is None:
+        (step, verdict), next_step = self.last, self.next_step()
+        if step is None:
             return f"ready; next step {next_step or 0}"
-        return f"step {self.last_step} done, last verdict {self.last_verdict}; next {next_step}"
+        return f"step {step} done, last verdict {verdict}; next {next_step}"
 
     def due(self) -> bool:
         """While running: at most once per STATUS_INTERVAL_SECONDS."""
@@ -82,15 +90,16 @@ class StatusView:
             self.notify(
                 self.line() if state == "running" else f"{state}: {extra.get('reason', '')}"
             )
+        step, verdict = self.last
         status = {
             "run_id": self.run_id,
             "pid": os.getpid(),
             "state": state,
             **self.fields,
-            "step": self.last_step,
+            "step": step,
             "next_step": self.next_step(),
             "checkpoint_step": self.checkpoint_step,
-            "last_verdict": self.last_verdict,
+            "last_verdict": verdict,
             "metrics": self.metrics_url,
             "updated_at": time.time(),
             **extra,
