@@ -38,10 +38,12 @@ SETTLE_SECONDS = 60.0
 class OwnedDir:
     """A new 0700 directory named `prefix`... in `where` (None: the temporary directory),
     locked by this process until `close` (or its collection, or the interpreter's exit),
-    made after removing the directories of this user's runs that died there."""
+    made after removing the directories of this user's runs that died there (`swept`: the
+    caller has)."""
 
-    def __init__(self, prefix: str, where: Path | None = None) -> None:
-        sweep(where or Path(tempfile.gettempdir()))
+    def __init__(self, prefix: str, where: Path | None = None, *, swept: bool = False) -> None:
+        if not swept:
+            sweep(where or Path(tempfile.gettempdir()))
         self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=where))
         try:
             lock = hold(self.path / LOCK)
@@ -69,7 +71,7 @@ class SyncDir(OwnedDir):
                 where = SHM if shutil.disk_usage(SHM).free >= need_bytes else None
             except OSError:
                 where = None
-        super().__init__(PREFIX, where)
+        super().__init__(PREFIX, where, swept=True)
 
 
 def _remove(path: Path, lock: int, owner: int) -> None:
