@@ -102,7 +102,7 @@ class ServerSampler:
             self._shared = SharedWeights(self.sync_dir)
         self._pool = ThreadPoolExecutor(MAX_REQUESTS_IN_FLIGHT, thread_name_prefix="vllm-request")
         url = peer_of or config.vllm_server_url
-        self._socket_dir: OwnedDir | None = None  # grpod's own server's socket, 0700
+        self._socket_dir: OwnedDir | None = None  # 0700: grpod's own server's socket, vLLM's ZMQ
         if not url:
             self._socket_dir = OwnedDir(SOCKET_PREFIX)
             url = f"{UNIX_PREFIX}{self._socket_dir.path / SOCKET}"
@@ -121,6 +121,7 @@ class ServerSampler:
                     server_env(
                         cpu=not torch.cuda.is_available(),
                         retain_memory=config.vllm_server_cpu_malloc == "retain",
+                        rpc_dir=self._socket_dir.path if self._socket_dir else None,
                     ),
                     _server_logger(),
                 )

@@ -28,6 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from grpod.engine.errors import EngineError, SamplerError
@@ -269,16 +270,22 @@ TORCHRUN_ENV = (
 RETAINING_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
-def server_env(cpu: bool = False, retain_memory: bool = True) -> dict[str, str]:
+def server_env(
+    cpu: bool = False, retain_memory: bool = True, rpc_dir: Path | None = None
+) -> dict[str, str]:
     """The server's environment: grpod's, less torchrun's, plus vLLM's settings (`cpu`: the
     server runs on the CPU; `retain_memory`: there, glibc's malloc keeps what it frees,
-    unless grpod's environment tunes malloc itself)."""
+    unless grpod's environment tunes malloc itself; `rpc_dir`: where vLLM binds the ZMQ
+    sockets between its API server and its engine core, else the temp dir, where they
+    outlive the server)."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")
     }
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
+    if rpc_dir is not None:
+        env["VLLM_RPC_BASE_PATH"] = str(rpc_dir)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CPU: beside the trainer, unpinned
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the colocated sampler's setting
     if cpu:

@@ -5,7 +5,9 @@ and its API server process on no TCP port; grpod's own calls (a weight push thro
 `/collective_rpc` and `/reset_prefix_cache`, a probed rollout through `/v1/completions`) work;
 another user's process (`nobody`, the system's Python) is refused by every route, control
 routes and generation included, while the same probe run as grpod's user is answered (the
-refusal is the socket's directory, not the probe). The snapshots' directory is 0700 too.
+refusal is the socket's directory, not the probe). vLLM's own ZMQ sockets between its API
+server and engine core are in that directory too, and go with it. The snapshots' directory
+is 0700 too.
 (The process that runs vLLM's model, here its engine core, keeps torch.distributed's
 loopback TCP listeners: a known gap, docs/SECURITY.md.)
 """
@@ -86,6 +88,23 @@ def _tcp_listeners(pid: int) -> list[str]:
     return found
 
 
+def _unix_paths(pids: list[int]) -> list[str]:
+    """The paths of the Unix sockets the processes `pids` hold (their fds against
+    /proc/net/unix; an unnamed socket has none)."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            target = os.readlink(fd) if fd.is_symlink() else ""
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    found = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) == 8 and fields[6] in inodes:
+            found.add(fields[7])
+    return sorted(found)
+
+
 def _group(pgid: int) -> dict[int, str]:
     """The processes of process group `pgid`: pid -> name (/proc/PID/comm)."""
     found = {}
@@ -139,6 +158,11 @@ def test_grpods_own_server_is_reachable_by_grpod_alone() -> None:
         group = _group(sampler.process.pid)
         assert not [n for n in group.values() if n.startswith("VLLM::Worker")], group
         assert [n for n in group.values() if n.startswith("VLLM::EngineCor")], group
+        # vLLM's own sockets between its API server and engine core (ZMQ, named in
+        # VLLM_RPC_BASE_PATH) are in the same directory, not in the shared temp dir
+        named = _unix_paths(list(group))
+        assert str(socket_path) in named and len(named) >= 3, named
+        assert all(Path(p).parent == socket_path.parent for p in named), named
 
         refused = _probe(socket_path, ROUTES, user="nobody", group="nogroup")
         assert refused == {route: "PermissionError" for _, route in ROUTES}, refused

@@ -740,3 +740,11 @@ def test_a_quantized_vllm_is_not_attested() -> None:
     worker.model_config = SimpleNamespace(quantization="fp8")
     assert reload_attested(worker, [("w", torch.ones(2))]) == []
     assert [list(load) for load in worker.loads] == [["w"], ["w"]]  # loaded all the same
+
+
+def test_the_servers_zmq_sockets_go_in_its_own_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/tmp")  # a user's setting: the shared temp dir
+    assert server_env(cpu=True, rpc_dir=tmp_path)["VLLM_RPC_BASE_PATH"] == str(tmp_path)
+    assert server_env(cpu=True)["VLLM_RPC_BASE_PATH"] == "/tmp"  # a server grpod does not own
