@@ -67,6 +67,7 @@ SERVED_NAME = "grpod-policy"  # the model's name in requests (its path changes w
 MAX_REQUESTS_IN_FLIGHT = 64
 SNAPSHOT = "model.safetensors"
 SOCKET = "vllm.sock"
+SHUTDOWN_SECONDS = 5  # under vllm_server.STOP_SECONDS, after which grpod SIGKILLs them all
 
 
 class ServerSampler:
@@ -102,7 +103,7 @@ class ServerSampler:
             self._shared = SharedWeights(self.sync_dir)
         self._pool = ThreadPoolExecutor(MAX_REQUESTS_IN_FLIGHT, thread_name_prefix="vllm-request")
         url = peer_of or config.vllm_server_url
-        self._socket_dir: OwnedDir | None = None  # 0700: grpod's own server's socket, vLLM's ZMQ
+        self._socket_dir: OwnedDir | None = None  # 0700: grpod's own server's socket, its TMPDIR
         if not url:
             self._socket_dir = OwnedDir(SOCKET_PREFIX)
             url = f"{UNIX_PREFIX}{self._socket_dir.path / SOCKET}"
@@ -121,7 +122,7 @@ class ServerSampler:
                     server_env(
                         cpu=not torch.cuda.is_available(),
                         retain_memory=config.vllm_server_cpu_malloc == "retain",
-                        rpc_dir=self._socket_dir.path if self._socket_dir else None,
+                        temp_dir=self._socket_dir.path if self._socket_dir else None,
                     ),
                     _server_logger(),
                 )
@@ -330,6 +331,10 @@ def server_argv(config: EngineConfig, served: ServedModel, url: str) -> list[str
         "processed_logprobs",
         "--enable-prompt-tokens-details",  # the probe's cached tokens
         "--no-use-tqdm-on-load",  # its stderr is forwarded line by line: no progress bars
+        # at a stop its engine core gets this long to finish by itself (at 0, vLLM's API
+        # server SIGKILLs it at once, tearing down nothing)
+        "--shutdown-timeout",
+        str(SHUTDOWN_SECONDS),
     ]
     if config.vllm_kv_cache_bytes or not torch.cuda.is_available():
         # on CPU a gpu_memory_utilization would be a fraction of the machine's RAM

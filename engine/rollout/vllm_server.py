@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import getpass
 import http.client
 import json
 import logging
@@ -23,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -271,21 +273,24 @@ RETAINING_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(4 << 
 
 
 def server_env(
-    cpu: bool = False, retain_memory: bool = True, rpc_dir: Path | None = None
+    cpu: bool = False, retain_memory: bool = True, temp_dir: Path | None = None
 ) -> dict[str, str]:
     """The server's environment: grpod's, less torchrun's, plus vLLM's settings (`cpu`: the
     server runs on the CPU; `retain_memory`: there, glibc's malloc keeps what it frees,
-    unless grpod's environment tunes malloc itself; `rpc_dir`: where vLLM binds the ZMQ
-    sockets between its API server and its engine core, else the temp dir, where they
-    outlive the server)."""
+    unless grpod's environment tunes malloc itself; `temp_dir`: the server's temporary
+    directory, removed with it: vLLM binds the ZMQ sockets between its API server and its
+    engine core there, and its engine core's torch.distributed file store, which a stop
+    leaves behind, goes there; in the shared temp dir they outlive every server)."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")
     }
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
-    if rpc_dir is not None:
-        env["VLLM_RPC_BASE_PATH"] = str(rpc_dir)
+    if temp_dir is not None:
+        # torch's compile cache stays where it was (its default is under the temp dir)
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+        env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(temp_dir)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CPU: beside the trainer, unpinned
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the colocated sampler's setting
     if cpu:
@@ -297,6 +302,17 @@ def server_env(
         if retain_memory and not tuned:
             env.update(RETAINING_MALLOC)
     return env
+
+
+def inductor_cache_dir() -> str:
+    """torch inductor's default cache directory (`default_cache_dir` in torch 2.4-2.13)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
+    )
 
 
 def free_port(host: str) -> int:

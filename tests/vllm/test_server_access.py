@@ -6,7 +6,8 @@ and its API server process on no TCP port; grpod's own calls (a weight push thro
 another user's process (`nobody`, the system's Python) is refused by every route, control
 routes and generation included, while the same probe run as grpod's user is answered (the
 refusal is the socket's directory, not the probe). vLLM's own ZMQ sockets between its API
-server and engine core are in that directory too, and go with it. The snapshots' directory
+server and engine core, and its engine core's file store (TMPDIR), are in that directory too,
+and go with it; a stop lets the engine core exit by itself. The snapshots' directory
 is 0700 too.
 (The process that runs vLLM's model, here its engine core, keeps torch.distributed's
 loopback TCP listeners: a known gap, docs/SECURITY.md.)
@@ -15,6 +16,7 @@ loopback TCP listeners: a known gap, docs/SECURITY.md.)
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import subprocess
@@ -119,7 +121,7 @@ def _group(pgid: int) -> dict[int, str]:
 
 
 @pytest.mark.timeout(900)
-def test_grpods_own_server_is_reachable_by_grpod_alone() -> None:
+def test_grpods_own_server_is_reachable_by_grpod_alone(caplog: pytest.LogCaptureFixture) -> None:
     if os.geteuid() != 0:
         pytest.fail("this test runs a probe as another user (nobody): it needs root")
     engine = Engine(
@@ -163,11 +165,17 @@ def test_grpods_own_server_is_reachable_by_grpod_alone() -> None:
         named = _unix_paths(list(group))
         assert str(socket_path) in named and len(named) >= 3, named
         assert all(Path(p).parent == socket_path.parent for p in named), named
+        # and its engine core's torch.distributed file store (TMPDIR), which a stop leaves
+        assert list(socket_path.parent.glob("vllm_dist_*")), list(socket_path.parent.iterdir())
 
         refused = _probe(socket_path, ROUTES, user="nobody", group="nogroup")
         assert refused == {route: "PermissionError" for _, route in ROUTES}, refused
         answered = _probe(socket_path, [("GET", "/health"), ("GET", "/v1/models")])
         assert answered == {"/health": 200, "/v1/models": 200}, answered
     finally:
-        engine.close()
+        with caplog.at_level(logging.INFO, logger="vllm.server"):
+            engine.close()
     assert not socket_path.parent.exists()  # the socket's directory goes with the server
+    # the engine core stopped by itself (vLLM's --shutdown-timeout), not SIGKILLed by vLLM
+    stopping = [r.getMessage() for r in caplog.records if r.name == "vllm.server"]
+    assert stopping and not [m for m in stopping if "force killing" in m], stopping[-5:]

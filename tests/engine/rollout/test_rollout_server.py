@@ -742,9 +742,19 @@ def test_a_quantized_vllm_is_not_attested() -> None:
     assert [list(load) for load in worker.loads] == [["w"], ["w"]]  # loaded all the same
 
 
-def test_the_servers_zmq_sockets_go_in_its_own_directory(
+def test_the_servers_temporary_files_go_in_its_own_directory(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/tmp")  # a user's setting: the shared temp dir
-    assert server_env(cpu=True, rpc_dir=tmp_path)["VLLM_RPC_BASE_PATH"] == str(tmp_path)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    env = server_env(cpu=True, temp_dir=tmp_path)
+    assert env["VLLM_RPC_BASE_PATH"] == env["TMPDIR"] == str(tmp_path)
+    # torch's compile cache where torch itself would put it, not in the server's directory
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/var/cache/inductor")
+    assert (
+        server_env(cpu=True, temp_dir=tmp_path)["TORCHINDUCTOR_CACHE_DIR"] == "/var/cache/inductor"
+    )
     assert server_env(cpu=True)["VLLM_RPC_BASE_PATH"] == "/tmp"  # a server grpod does not own
