@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import threading
@@ -300,6 +301,9 @@ def launch(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         channel.close()
+        # torch's agent made a `torchelastic_*` directory in /tmp for the ranks' error files
+        # (read into `codes` by now) and never removes it: one per start
+        shutil.rmtree(config.logs_specs.root_log_dir, ignore_errors=True)
     status = job_status(codes, stops)
     if status != EXIT_OK:
         exited = ", ".join(f"rank {r} {c}" for r, c in sorted(codes.items()))

@@ -324,11 +324,15 @@ def _short_campaign(
             **sections,
         },
     )
-    run_dir = tmp_path / "run"
+    run_dir, temp = tmp_path / "run", tmp_path / "tmp"
+    temp.mkdir()
     args = ["--config", str(config), "--run-dir", str(run_dir), "--max-steps", str(steps)]
-    done = subprocess.run(launcher(*args), env=ENV, capture_output=True, text=True, timeout=180)
+    env = {**ENV, "TMPDIR": str(temp)}
+    done = subprocess.run(launcher(*args), env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == expect, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+    # torch's agent's directory for the ranks' error files goes with the job
+    assert not list(temp.glob("torchelastic_*")), list(temp.iterdir())
     return run_dir, done.stdout + done.stderr
 
 
