@@ -38,6 +38,8 @@ from grpod.engine.errors import EngineError, SamplerError
 HEALTH_POLL_SECONDS = 0.25
 STOP_SECONDS = 30.0  # SIGTERM to the server's process group, then SIGKILL
 EXIT_GRACE_SECONDS = 2.0  # after a failed request: how long an exiting server may take
+GROUP_EXIT_SECONDS = 5.0  # at a stop, after the server's main process: what it left exiting
+GROUP_POLL_SECONDS = 0.05
 _LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 # a Python traceback's last line (an exception's name and message), vLLM's process prefix
 # allowed: what a server that died while starting died of
@@ -208,13 +210,24 @@ class ServerProcess:
         line = (raised or errors or lines or [""])[-1]
         return f": {line}" if line else ""
 
-    def stop(self, timeout_seconds: float = STOP_SECONDS) -> None:
-        """SIGTERM to the server's process group, SIGKILL to what is left after the timeout."""
+    def stop(
+        self, timeout_seconds: float = STOP_SECONDS, grace_seconds: float = GROUP_EXIT_SECONDS
+    ) -> None:
+        """SIGTERM to the server's process group; once its main process has exited, what is
+        left of the group gets `grace_seconds` to exit too; SIGKILL to what is left then, or
+        after `timeout_seconds` if the main process is still there."""
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=timeout_seconds)
+        if self.process.poll() is not None:
+            # its engine core finishing, and multiprocessing's resource tracker, which unlinks
+            # the server's semaphores once the server is gone: a SIGKILL there leaves them in
+            # /dev/shm
+            deadline = time.monotonic() + grace_seconds
+            while group_alive(self.process.pid) and time.monotonic() < deadline:
+                time.sleep(GROUP_POLL_SECONDS)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)  # its engine core and workers too
         with contextlib.suppress(subprocess.TimeoutExpired):

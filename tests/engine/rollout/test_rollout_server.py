@@ -15,6 +15,7 @@ import socketserver
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -33,7 +34,13 @@ from grpod.engine.rollout.rollout_server import ServerSampler, server_argv
 from grpod.engine.rollout.rollout_vllm import ServedModel
 from grpod.engine.rollout.sampler import SamplingSettings
 from grpod.engine.rollout.shared_weights import RPC_METHOD, SharedWeightsWorker, reload_attested
-from grpod.engine.rollout.vllm_server import ServerClient, ServerProcess, free_port, server_env
+from grpod.engine.rollout.vllm_server import (
+    ServerClient,
+    ServerProcess,
+    free_port,
+    group_alive,
+    server_env,
+)
 from grpod.engine.verdict import Action, Outcome
 from grpod.engine.weight_sync import CONTINUATION_TOKENS, PushFaults
 from grpod.guards import GuardPolicy
@@ -614,6 +621,27 @@ def test_a_server_that_dies_while_starting_is_named_by_its_exception_not_its_shu
         "run/prometheus/counter_7.db"
     ), failed.value
     server.stop()
+
+
+def test_a_stop_lets_what_the_server_leaves_exiting_finish_before_sigkill(
+    tmp_path: Path,
+) -> None:
+    """The server exits on SIGTERM at once; a process of its group (vLLM's resource tracker,
+    which unlinks the server's semaphores once the server is gone) takes a moment to finish:
+    it is not SIGKILLed in the middle."""
+    done = tmp_path / "finished"
+    script = (
+        f"(trap 'sleep 0.5; echo ok > {done}; exit 0' TERM; echo child; "
+        "while :; do sleep 0.1; done) & "
+        "trap 'exit 0' TERM; echo parent; while :; do sleep 0.1; done"
+    )
+    server = ServerProcess(["bash", "-c", script], dict(os.environ), logging.getLogger("t"))
+    while set(server.last_lines) != {"child", "parent"}:  # both traps are set
+        time.sleep(0.05)
+    server.stop(grace_seconds=120)  # a bound for a loaded machine: the group is gone first
+    assert server.exit_status() == 0
+    assert done.read_text() == "ok\n"
+    assert not group_alive(server.pid)
 
 
 def test_a_server_on_a_unix_socket_with_a_credential_takes_every_request_with_it(
