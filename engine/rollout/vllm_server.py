@@ -38,7 +38,7 @@ from grpod.engine.errors import EngineError, SamplerError
 HEALTH_POLL_SECONDS = 0.25
 STOP_SECONDS = 30.0  # SIGTERM to the server's process group, then SIGKILL
 EXIT_GRACE_SECONDS = 2.0  # after a failed request: how long an exiting server may take
-GROUP_EXIT_SECONDS = 5.0  # at a stop, after the server's main process: what it left exiting
+GROUP_EXIT_SECONDS = 10.0  # at a stop, after the server's main process: the rest of its group
 GROUP_POLL_SECONDS = 0.05
 _LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 # a Python traceback's last line (an exception's name and message), vLLM's process prefix
@@ -216,15 +216,18 @@ class ServerProcess:
         """SIGTERM to the server's process group; once its main process has exited, what is
         left of the group gets `grace_seconds` to exit too; SIGKILL to what is left then, or
         after `timeout_seconds` if the main process is still there."""
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
+        running = self.process.poll() is None
+        with contextlib.suppress(ProcessLookupError):
+            # a main process that died first (a crash, the OOM killer) leaves its engine core
+            # running until it is told
+            os.killpg(self.process.pid, signal.SIGTERM)
+        if running:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=timeout_seconds)
         if self.process.poll() is not None:
-            # its engine core finishing, and multiprocessing's resource tracker, which unlinks
-            # the server's semaphores once the server is gone: a SIGKILL there leaves them in
-            # /dev/shm
+            # the engine core finishing, then multiprocessing's resource tracker, which unlinks
+            # the server's semaphores once every process of the group is gone: SIGKILLed
+            # before that, it leaves them in /dev/shm
             deadline = time.monotonic() + grace_seconds
             while group_alive(self.process.pid) and time.monotonic() < deadline:
                 time.sleep(GROUP_POLL_SECONDS)

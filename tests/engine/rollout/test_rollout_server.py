@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import socketserver
 import sys
 import tempfile
@@ -623,12 +624,15 @@ def test_a_server_that_dies_while_starting_is_named_by_its_exception_not_its_shu
     server.stop()
 
 
-def test_a_stop_lets_what_the_server_leaves_exiting_finish_before_sigkill(
-    tmp_path: Path,
+@pytest.mark.parametrize("main", ["stopped", "died first"])
+def test_a_stop_lets_the_rest_of_the_servers_group_exit_before_sigkill(
+    main: str, tmp_path: Path
 ) -> None:
-    """The server exits on SIGTERM at once; a process of its group (vLLM's resource tracker,
-    which unlinks the server's semaphores once the server is gone) takes a moment to finish:
-    it is not SIGKILLed in the middle."""
+    """The server's main process exits on SIGTERM at once (or has died before the stop, as
+    when the OOM killer takes vLLM's API server); another process of its group (vLLM's
+    engine core, then multiprocessing's resource tracker, which unlinks the server's
+    semaphores once the rest is gone) exits on SIGTERM after a moment: it is told, and it is
+    not SIGKILLed in the middle."""
     done = tmp_path / "finished"
     script = (
         f"(trap 'sleep 0.5; echo ok > {done}; exit 0' TERM; echo child; "
@@ -638,8 +642,11 @@ def test_a_stop_lets_what_the_server_leaves_exiting_finish_before_sigkill(
     server = ServerProcess(["bash", "-c", script], dict(os.environ), logging.getLogger("t"))
     while set(server.last_lines) != {"child", "parent"}:  # both traps are set
         time.sleep(0.05)
+    if main == "died first":
+        os.kill(server.pid, signal.SIGKILL)
+        server.process.wait()
     server.stop(grace_seconds=120)  # a bound for a loaded machine: the group is gone first
-    assert server.exit_status() == 0
+    assert server.exit_status() == (0 if main == "stopped" else -signal.SIGKILL)
     assert done.read_text() == "ok\n"
     assert not group_alive(server.pid)
 
