@@ -122,6 +122,13 @@ def launch_config(args: argparse.Namespace) -> tuple[Any, str, list[str]]:
     return torchrun.config_from_args(targs)
 
 
+def torch_log_dir(config: Any) -> str | None:
+    """The `torchelastic_*` directory torch's agent made in the temporary directory for the
+    job's error files, which it never removes (None when torchrun's `--log-dir`, here
+    `PET_LOG_DIR`, names the user's own)."""
+    return None if os.environ.get("PET_LOG_DIR") else str(config.logs_specs.root_log_dir)
+
+
 def job_status(codes: Mapping[int, int], stops: Sequence[int]) -> int:
     """grpod's exit status of a job from its ranks' exit codes (`codes`: rank -> code, negative
     when a signal killed it; ranks absent exited 0) and the stop signals the agent forwarded."""
@@ -301,9 +308,9 @@ def launch(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         channel.close()
-        # torch's agent made a `torchelastic_*` directory in /tmp for the ranks' error files
-        # (read into `codes` by now) and never removes it: one per start
-        shutil.rmtree(config.logs_specs.root_log_dir, ignore_errors=True)
+        made = torch_log_dir(config)
+        if made:  # the ranks' error files are read into `codes` by now
+            shutil.rmtree(made, ignore_errors=True)
     status = job_status(codes, stops)
     if status != EXIT_OK:
         exited = ", ".join(f"rank {r} {c}" for r, c in sorted(codes.items()))

@@ -5,6 +5,7 @@ launches are in tests/daemon/test_torchrun.py."""
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,10 +48,30 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["run", *argv])
 
 
+def _config(args: argparse.Namespace) -> tuple:
+    """`launch_config`, less the directory torch makes for it (the agent removes it)."""
+    config, entrypoint, entry_args = launcher.launch_config(args)
+    made = launcher.torch_log_dir(config)
+    assert made and Path(made).name.startswith("torchelastic_") and Path(made).is_dir()
+    shutil.rmtree(made)
+    return config, entrypoint, entry_args
+
+
+def test_the_agent_removes_only_the_log_dir_torch_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = _args("--nproc-per-node", "2", "--config", "g.toml")
+    _config(args)  # one in the temporary directory, torch's
+    monkeypatch.setenv("PET_LOG_DIR", str(tmp_path / "logs"))  # torchrun's --log-dir
+    config, _, _ = launcher.launch_config(args)
+    assert config.logs_specs.root_log_dir == str(tmp_path / "logs")
+    assert launcher.torch_log_dir(config) is None
+
+
 def test_torchruns_options_pass_through_and_the_ranks_run_grpod_run() -> None:
     args = _args("--nproc-per-node", "2", "--config", "g.toml", "--max-steps", "5")
     assert launcher.launching(args)
-    config, entrypoint, entry_args = launcher.launch_config(args)
+    config, entrypoint, entry_args = _config(args)
     assert (config.nproc_per_node, config.min_nodes, config.max_nodes) == (2, 1, 1)
     assert config.rdzv_backend == "c10d" and config.rdzv_endpoint == "localhost:0"
     assert config.max_restarts == 0 and config.signals_to_handle == "SIGQUIT"
@@ -63,14 +84,14 @@ def test_torchruns_options_pass_through_and_the_ranks_run_grpod_run() -> None:
         "--nproc-per-node", "8", "--nnodes", "2", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", "head:29400", "--rdzv-id", "campaign-7",
     )  # fmt: skip
-    config, _, _ = launcher.launch_config(two)
+    config, _, _ = _config(two)
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 8)
     assert (config.rdzv_endpoint, config.run_id) == ("head:29400", "campaign-7")
     static = _args(
         "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1",
         "--master-addr", "10.0.0.1", "--master-port", "29500",
     )  # fmt: skip
-    config, _, _ = launcher.launch_config(static)
+    config, _, _ = _config(static)
     assert config.rdzv_backend == "static" and config.rdzv_configs["rank"] == 1
     assert config.rdzv_endpoint == "10.0.0.1:29500"
     assert not launcher.launching(_args("--config", "g.toml"))
