@@ -56,8 +56,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 GRACE_SECONDS = 180
 
 
-def torchrun(*args: str) -> list[str]:
-    return [TORCHRUN, "--standalone", "--nproc-per-node", "2", GRPOD, *args]
+def torchrun(*args: str, logs: Path) -> list[str]:
+    """A plain torchrun of `grpod args`; `logs`: its agent's directory (else one in /tmp)."""
+    return [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), GRPOD, *args]
 
 
 def launcher(*args: str) -> list[str]:
@@ -206,7 +207,9 @@ def test_sigterm_to_the_agent_checkpoints_every_rank_then_resume_and_replay(tmp_
             r["valid_tokens"] for r in report["rank_reports"]
         )
 
-    replay = torchrun("replay", "--run-dir", str(run_dir), "--step", str(last), "--json")
+    replay = torchrun(
+        "replay", "--run-dir", str(run_dir), "--step", str(last), "--json", logs=tmp_path / "tr"
+    )
     result = replay_result(replay, timeout=180)
     rank_valid = [scraped[f'grpod_rank_valid_tokens{{rank="{r}"}}'] for r in (0, 1)]
     scraped_report = json.loads(rows[int(scraped["grpod_step"])][1])  # rows: one per step
@@ -516,7 +519,7 @@ def test_lora_under_fsdp2_stops_resumes_replays_and_exports(tmp_path) -> None:
     assert [started[r]["resumed_from"] for r in (0, 1)] == [stop_step, stop_step]
 
     step = ["--run-dir", str(run_dir), "--step", str(stop_step), "--json"]
-    result = replay_result(torchrun("replay", *step), timeout=180)
+    result = replay_result(torchrun("replay", *step, logs=tmp_path / "tr"), timeout=180)
     assert result["reproduced"] is True, result
 
     for kind in (["--adapter"], []):

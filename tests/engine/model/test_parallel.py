@@ -33,7 +33,10 @@ def torchrun(module: str, out: Path, nproc: int = 2, timeout: float = 240) -> li
     """Run `module` under a real torchrun; every rank's `out/result-RANK.json`, by rank."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "-m", module, str(out)],
+        [
+            *(str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc)),
+            *("--log-dir", str(out / "torchelastic"), "-m", module, str(out)),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
