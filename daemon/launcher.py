@@ -129,6 +129,12 @@ def torch_log_dir(config: Any) -> str | None:
     return None if os.environ.get("PET_LOG_DIR") else str(config.logs_specs.root_log_dir)
 
 
+def discard_torch_log_dir(config: Any) -> None:
+    made = torch_log_dir(config)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+
+
 def job_status(codes: Mapping[int, int], stops: Sequence[int]) -> int:
     """grpod's exit status of a job from its ranks' exit codes (`codes`: rank -> code, negative
     when a signal killed it; ranks absent exited 0) and the stop signals the agent forwarded."""
@@ -278,7 +284,11 @@ def launch(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         config, entrypoint, entry_args = launch_config(args)
     except (ValueError, AssertionError, RuntimeError) as exc:  # torchrun's checks
         raise ConfigError(f"launcher: {exc}") from None
-    precheck(args, overrides)
+    try:
+        precheck(args, overrides)
+    except BaseException:  # refused: nothing is left behind, torch's directory included
+        discard_torch_log_dir(config)
+        raise
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -308,9 +318,7 @@ def launch(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         channel.close()
-        made = torch_log_dir(config)
-        if made:  # the ranks' error files are read into `codes` by now
-            shutil.rmtree(made, ignore_errors=True)
+        discard_torch_log_dir(config)  # the ranks' error files are read into `codes` by now
     status = job_status(codes, stops)
     if status != EXIT_OK:
         exited = ", ".join(f"rank {r} {c}" for r, c in sorted(codes.items()))

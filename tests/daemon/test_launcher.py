@@ -142,12 +142,15 @@ def test_bad_input_is_refused_by_the_agent_before_any_rank_starts(tmp_path: Path
         tmp_path / "grpod.toml", {"engine": {**TINY_ENGINE, "prompts_per_step": 3}}
     )
     args = ["--nproc-per-node", "2", "--config", str(config), "--run-dir", "run"]
-    done = cli("run", *args, cwd=tmp_path, timeout=120)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    done = cli("run", *args, cwd=tmp_path, timeout=120, env={"TMPDIR": str(temp)})
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         "grpod run: error: engine.prompts_per_step: 3 groups do not split evenly over 2 ranks"
     ]
     assert done.stdout == "" and not (tmp_path / "run").exists()
+    assert not list(temp.iterdir())  # torch's agent's log directory included
 
 
 @pytest.mark.slow  # a `grpod run` subprocess
