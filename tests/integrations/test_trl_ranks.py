@@ -37,7 +37,9 @@ def test_both_ranks_flush_the_step_one_rank_saw_a_nan(tmp_path: Path) -> None:
     command = [
         launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(_free_port()), str(WORKER), str(tmp_path),
+        "--main_process_port", str(_free_port()),
+        "--log_dir", str(tmp_path / "torchelastic"),  # torch's agent's files: not in /tmp
+        str(WORKER), str(tmp_path),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
