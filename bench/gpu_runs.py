@@ -334,8 +334,10 @@ def fsdp2(dry_run: bool) -> dict[str, Any]:
     if reason is not None:
         return {"status": "skipped", "reason": reason}
     engine = {**TINY, "device": "cpu"} if dry_run else {**W1, "device": "cuda", "dtype": "bfloat16"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", GRPOD]
     with tempfile.TemporaryDirectory() as tmp:
+        # torch's agent's own directory in this one, not one left in /tmp per check
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+        launcher += ["--log-dir", str(Path(tmp) / "torchelastic"), GRPOD]
         run = run_grpod(
             Path(tmp) / "fsdp2",
             {**engine, "parallel": "fsdp2"},

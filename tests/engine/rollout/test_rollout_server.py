@@ -5,6 +5,7 @@ retry. The real vLLM server runs in tests/vllm (`make test-vllm`)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -640,12 +641,16 @@ def test_a_stop_lets_the_rest_of_the_servers_group_exit_before_sigkill(
         "trap 'exit 0' TERM; echo parent; while :; do sleep 0.1; done"
     )
     server = ServerProcess(["bash", "-c", script], dict(os.environ), logging.getLogger("t"))
-    while set(server.last_lines) != {"child", "parent"}:  # both traps are set
-        time.sleep(0.05)
-    if main == "died first":
-        os.kill(server.pid, signal.SIGKILL)
-        server.process.wait()
-    server.stop(grace_seconds=120)  # a bound for a loaded machine: the group is gone first
+    try:
+        while set(server.last_lines) != {"child", "parent"}:  # both traps are set
+            time.sleep(0.05)
+        if main == "died first":
+            os.kill(server.pid, signal.SIGKILL)
+            server.process.wait()
+        server.stop(grace_seconds=120)  # a bound for a loaded machine: the group is gone first
+    finally:  # a failed test leaves no process behind
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
     assert server.exit_status() == (0 if main == "stopped" else -signal.SIGKILL)
     assert done.read_text() == "ok\n"
     assert not group_alive(server.pid)
