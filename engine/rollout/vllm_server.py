@@ -228,17 +228,13 @@ class ServerProcess:
             # the engine core finishing, then multiprocessing's resource tracker, which unlinks
             # the server's semaphores once every process of the group is gone: SIGKILLed
             # before that, it leaves them in /dev/shm
-            deadline = time.monotonic() + grace_seconds
-            while group_alive(self.process.pid) and time.monotonic() < deadline:
-                time.sleep(GROUP_POLL_SECONDS)
+            wait_group_gone(self.process.pid, grace_seconds)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)  # its engine core and workers too
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=timeout_seconds)
         self._reader.join(timeout=5)
-        deadline = time.monotonic() + timeout_seconds  # until its orphans are reaped too
-        while group_alive(self.process.pid) and time.monotonic() < deadline:
-            time.sleep(HEALTH_POLL_SECONDS)
+        wait_group_gone(self.process.pid, timeout_seconds)  # until its orphans are reaped too
 
     def _forward(self) -> None:
         assert self.process.stdout is not None
@@ -249,6 +245,13 @@ class ServerProcess:
             self.last_lines.append(line)
             level = _LEVEL.search(line[:80])
             self.logger.log(getattr(logging, level.group(1)) if level else logging.INFO, line)
+
+
+def wait_group_gone(pgid: int, seconds: float) -> None:
+    """Until no process of group `pgid` is left, or `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(GROUP_POLL_SECONDS)
 
 
 def group_alive(pgid: int) -> bool:
