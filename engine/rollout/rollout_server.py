@@ -67,7 +67,7 @@ SERVED_NAME = "grpod-policy"  # the model's name in requests (its path changes w
 MAX_REQUESTS_IN_FLIGHT = 64
 SNAPSHOT = "model.safetensors"
 SOCKET = "vllm.sock"
-SHUTDOWN_SECONDS = 5  # under vllm_server.STOP_SECONDS, after which grpod SIGKILLs them all
+SHUTDOWN_SECONDS = 15  # under vllm_server.STOP_SECONDS, after which grpod SIGKILLs them all
 
 
 class ServerSampler:

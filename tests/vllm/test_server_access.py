@@ -16,7 +16,6 @@ loopback TCP listeners: a known gap, docs/SECURITY.md.)
 from __future__ import annotations
 
 import json
-import logging
 import os
 import stat
 import subprocess
@@ -121,7 +120,7 @@ def _group(pgid: int) -> dict[int, str]:
 
 
 @pytest.mark.timeout(900)
-def test_grpods_own_server_is_reachable_by_grpod_alone(caplog: pytest.LogCaptureFixture) -> None:
+def test_grpods_own_server_is_reachable_by_grpod_alone() -> None:
     if os.geteuid() != 0:
         pytest.fail("this test runs a probe as another user (nobody): it needs root")
     engine = Engine(
@@ -173,9 +172,5 @@ def test_grpods_own_server_is_reachable_by_grpod_alone(caplog: pytest.LogCapture
         answered = _probe(socket_path, [("GET", "/health"), ("GET", "/v1/models")])
         assert answered == {"/health": 200, "/v1/models": 200}, answered
     finally:
-        with caplog.at_level(logging.INFO, logger="vllm.server"):
-            engine.close()
+        engine.close()
     assert not socket_path.parent.exists()  # the socket's directory goes with the server
-    # the engine core stopped by itself (vLLM's --shutdown-timeout), not SIGKILLed by vLLM
-    stopping = [r.getMessage() for r in caplog.records if r.name == "vllm.server"]
-    assert stopping and not [m for m in stopping if "force killing" in m], stopping[-5:]
