@@ -7,8 +7,7 @@ another user's process (`nobody`, the system's Python) is refused by every route
 routes and generation included, while the same probe run as grpod's user is answered (the
 refusal is the socket's directory, not the probe). vLLM's own ZMQ sockets between its API
 server and engine core, and its engine core's file store (TMPDIR), are in that directory too,
-and go with it; a stop lets the engine core exit by itself. The snapshots' directory
-is 0700 too.
+and go with it. The snapshots' directory is 0700 too.
 (The process that runs vLLM's model, here its engine core, keeps torch.distributed's
 loopback TCP listeners: a known gap, docs/SECURITY.md.)
 """
